@@ -1,0 +1,73 @@
+"""`dspark demo`: the shipped drafter against plain decoding of the same target, side by side, on evaluation prompts."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.errors import DSparkError
+
+DATA = Path(__file__).resolve().parent.parent / "data"
+SHIPPED = {"smollm2-135m-instruct": DATA / "drafters" / "smollm2-135m-instruct"}
+EVAL_SETS = ("humaneval", "gsm8k", "mt-bench", "mbpp", "math500")
+
+
+def eval_path(name_or_path: str) -> Path:
+    """An evaluation set by name (shipped copy) or a JSONL path of {"turns": [...]} records."""
+    path = DATA / "eval" / f"{name_or_path}.jsonl"
+    if path.is_file():
+        return path
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    raise DSparkError(f"unknown evaluation set '{name_or_path}': use one of {', '.join(EVAL_SETS)} or a JSONL path")
+
+
+def eval_prompts(name_or_path: str, count: int, offset: int = 0) -> list[str]:
+    """First user turn of `count` records (the paper's protocol)."""
+    lines = [json.loads(x) for x in eval_path(name_or_path).read_text().splitlines() if x.strip()]
+    return [r["turns"][0] for r in lines[offset : offset + count]]
+
+
+def shipped_drafter(model: str) -> Path:
+    path = SHIPPED.get(model)
+    if path is None or not (path / "model.safetensors").is_file():
+        raise DSparkError(f"no drafter ships for '{model}'; pass --drafter PATH (train one with `dspark train`)")
+    return path
+
+
+@dataclass
+class DemoRow:
+    dataset: str
+    prompt: str
+    plain_text: str
+    spec_text: str
+    identical: bool
+    plain_tokens_per_s: float
+    spec_tokens_per_s: float
+    tau: float
+
+    @property
+    def speedup(self) -> float:
+        return self.spec_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+
+def run_demo(target, drafter, datasets=("humaneval", "gsm8k", "mt-bench"), per_set=1, max_new_tokens=128):
+    """Each prompt decoded plainly and speculatively (greedy), after one untimed warm-up of both paths."""
+    engine = SpeculativeEngine(target, drafter)
+    warm = target.encode_chat("Hello!")
+    generate_plain(target, [warm], 8)
+    engine.generate([warm], 8)
+    rows = []
+    for name in datasets:
+        for prompt in eval_prompts(name, per_set):
+            ids = target.encode_chat(prompt)
+            plain = generate_plain(target, [ids], max_new_tokens)[0]
+            spec = engine.generate([ids], max_new_tokens)[0]
+            decode = lambda r: target.tokenizer.decode(r.token_ids, skip_special_tokens=True)  # noqa: E731
+            rows.append(DemoRow(name, prompt, decode(plain), decode(spec), plain.token_ids == spec.token_ids,
+                                plain.tokens_per_s, spec.tokens_per_s, spec.stats.tau))
+    return rows

@@ -1,0 +1,336 @@
+"""The `dspark` command. The only module that reads command-line arguments; each subcommand calls the library."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from dspark.errors import DSparkError
+
+
+# ---- shared argument groups ------------------------------------------------------------------------------------
+def add_target_args(p: argparse.ArgumentParser) -> None:
+    from dspark.models import DEFAULT_TARGET
+
+    p.add_argument("--model", default=DEFAULT_TARGET, help=f"known target name or HF model folder (default {DEFAULT_TARGET})")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target precision")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from(args):
+    from dspark.decoding.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def default_eval_dir():
+    from pathlib import Path
+
+    return Path(__file__).parent / "data" / "eval"
+
+
+def setup_torch(args) -> None:
+    import torch
+
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+
+
+def load_target(args, layer_ids=None):
+    from dspark.target import Target
+
+    setup_torch(args)
+    return Target.load(args.model, dtype=args.dtype, layer_ids=layer_ids)
+
+
+def build_policy(args):
+    from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+
+    if getattr(args, "confidence_threshold", None) is not None:
+        return ConfidenceThreshold(args.confidence_threshold)
+    return FixedLength(getattr(args, "verify_length", None))
+
+
+class TextStream:
+    """Prints a growing token sequence as text, decoding the whole sequence so multi-byte characters come out whole."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out, self.tokens, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, _request: int, tokens: list[int]) -> None:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.startswith(self.shown) and not text.endswith("\ufffd"):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+
+# ---- subcommands -----------------------------------------------------------------------------------------------
+def cmd_models(args) -> int:
+    from dspark.models import list_targets
+
+    rows = list_targets()
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for r in rows:
+        state = "provisioned" if r["provisioned"] else ("package installed" if r["package_installed"] else "package missing")
+        print(f"{r['name']:<24} {state:<18} {r['description']}")
+        print(f"{'':<24} from {r['package']} -> {r['path']}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from dspark.decoding.plain import generate_plain
+
+    if not args.prompt.strip():
+        raise DSparkError("the prompt is empty; give the model something to answer")
+    target = load_target(args)
+    prompt = target.encode_chat(args.prompt)
+    sampling = sampling_from(args)
+    stream = None if args.json else TextStream(target.tokenizer)
+
+    engine = None
+    if args.drafter:
+        from dspark.decoding.engine import SpeculativeEngine
+        from dspark.drafter import DSparkDrafter
+
+        engine = SpeculativeEngine(target, DSparkDrafter.load(args.drafter, target), build_policy(args))
+        result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
+    else:
+        result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
+
+    report = {
+        "text": target.tokenizer.decode(result.token_ids, skip_special_tokens=True),
+        "token_ids": result.token_ids,
+        "new_tokens": len(result.token_ids),
+        "finish_reason": result.finish_reason,
+        "seconds": round(result.seconds, 4),
+        "tokens_per_s": round(result.tokens_per_s, 3),
+        "dtype": args.dtype,
+    }
+    if result.stats is not None:
+        s = result.stats.to_dict()
+        report.update(tau=s["tau"], accept_by_position=s["accept_by_position"], rounds=s["rounds"], spec_stats=s)
+    if args.compare_plain:
+        if engine is None:
+            raise DSparkError("--compare-plain compares speculative decoding with plain decoding; add --drafter PATH")
+        plain = generate_plain(target, [prompt], args.max_new_tokens, sampling)[0]
+        report.update(
+            plain_tokens_per_s=round(plain.tokens_per_s, 3),
+            speedup=round(result.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else None,
+            identical_to_plain=plain.token_ids == result.token_ids,
+        )
+    if args.json:
+        print(json.dumps(report, ensure_ascii=False))
+        return 0
+    print()
+    line = f"[{report['new_tokens']} tokens, {report['seconds']:.2f} s, {report['tokens_per_s']:.1f} tokens/s"
+    if "tau" in report:
+        line += f", τ={report['tau']:.2f} over {report['rounds']} rounds"
+    if "speedup" in report:
+        line += f"; plain {report['plain_tokens_per_s']:.1f} tokens/s, speed-up {report['speedup']:.2f}x, "
+        line += "identical output" if report["identical_to_plain"] else "OUTPUT DIFFERS from plain decoding"
+    print(line + "]", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    import textwrap
+
+    from dspark.bench.demo import run_demo, shipped_drafter
+    from dspark.drafter import DSparkDrafter
+
+    target = load_target(args)
+    drafter_path = args.drafter or shipped_drafter(args.model)
+    drafter = DSparkDrafter.load(drafter_path, target)
+    print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
+          f"max {args.max_new_tokens} new tokens\n")
+    rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens)
+    for r in rows:
+        print(f"=== {r.dataset}: {textwrap.shorten(r.prompt, 100)}")
+        print(f"--- DSpark (τ={r.tau:.2f}, {r.spec_tokens_per_s:.1f} tok/s) vs plain ({r.plain_tokens_per_s:.1f} tok/s): "
+              f"speed-up {r.speedup:.2f}x, outputs {'IDENTICAL' if r.identical else 'DIFFER'}")
+        print(r.spec_text.strip())
+        if not r.identical:
+            print("--- plain decoding gave:")
+            print(r.plain_text.strip())
+        print()
+    total_plain = sum(1 / r.plain_tokens_per_s for r in rows)
+    total_spec = sum(1 / r.spec_tokens_per_s for r in rows)
+    print(f"mean τ {sum(r.tau for r in rows) / len(rows):.2f}; speed-up {total_plain / total_spec:.2f}x "
+          f"(harmonic over prompts); identical outputs: {sum(r.identical for r in rows)}/{len(rows)}")
+    return 0 if all(r.identical for r in rows) or args.dtype != "float32" else 1
+
+
+def cmd_prompts(args) -> int:
+    from dspark.fsutil import atomic_write_json, atomic_write_text
+    from dspark.training.sources import build_prompts
+
+    records, report = build_prompts(args.count, args.seed, args.eval_dir)
+    atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic_write_json(str(args.out) + ".report.json", report)
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_regenerate(args) -> int:
+    from dspark.training.data import read_records
+    from dspark.training.regenerate import regenerate
+
+    records = read_records(args.prompts)
+    if args.limit:
+        records = records[: args.limit]
+    target = load_target(args)
+    report = regenerate(target, records, args.out, args.max_new_tokens, args.batch_size, sampling_from(args))
+    print(json.dumps(report))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from dataclasses import fields
+
+    from dspark.training.trainer import TrainConfig, train
+
+    setup_torch(args)
+    if args.resume:
+        from pathlib import Path
+
+        saved = Path(args.out) / "checkpoint" / "trainer_state.json"
+        if not saved.exists():
+            raise DSparkError(f"--resume: {saved} does not exist; start the run without --resume")
+        cfg = TrainConfig.from_dict(json.loads(saved.read_text())["train_config"])
+    else:
+        if not args.data:
+            raise DSparkError("--data is required (regenerated JSONL from `dspark regenerate`)")
+        given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
+        cfg = TrainConfig(**given)
+    result = train(cfg, resume=args.resume, progress=not args.quiet)
+    print(json.dumps(result))
+    return 0
+
+
+# ---- parser ----------------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dspark", description=__import__("dspark").__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("models", help="list known targets and whether each is provisioned")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("generate", help="answer one chat prompt, streaming text, plain or speculative")
+    p.add_argument("prompt")
+    add_target_args(p)
+    add_sampling_args(p)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
+    p.add_argument("--drafter", help="drafter checkpoint folder: decode speculatively")
+    p.add_argument("--verify-length", type=int, default=None, help="verify this many draft tokens per round (default γ)")
+    p.add_argument("--confidence-threshold", type=float, default=None, help="verify up to the first c_k below this")
+    p.add_argument("--compare-plain", action="store_true", help="also run plain decoding; report speed-up and identity")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="plain vs DSpark side by side with the shipped drafter")
+    add_target_args(p)
+    p.add_argument("--drafter", help="drafter checkpoint (default: the one shipped for --model)")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
+    p.add_argument("--per-set", type=positive_int, default=1)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
+    p.add_argument("--out", required=True, help="prompts JSONL to write")
+    p.add_argument("--count", type=positive_int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-dir", default=str(default_eval_dir()), help="evaluation sets that prompts must not overlap")
+    p.set_defaults(func=cmd_prompts)
+
+    p = sub.add_parser("regenerate", help="have the target answer every prompt (resumable JSONL)")
+    p.add_argument("--prompts", required=True, help="messages JSONL, turns JSONL or .txt prompts")
+    p.add_argument("--out", required=True, help="JSONL to append to; a rerun continues where it stopped")
+    add_target_args(p)
+    add_sampling_args(p)
+    p.add_argument("--max-new-tokens", type=positive_int, default=384)
+    p.add_argument("--batch-size", type=positive_int, default=32)
+    p.add_argument("--limit", type=int, default=0, help="only the first N records (0 = all)")
+    p.set_defaults(func=cmd_regenerate)
+
+    p = sub.add_parser("train", help="train a drafter for a target (alone or under torchrun)")
+    p.add_argument("--data", help="training JSONL (regenerated chat records)")
+    p.add_argument("--out", required=True, help="run folder: checkpoint/, metrics.jsonl")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", help="target (known name or HF folder)")
+    p.add_argument("--target-dtype", choices=["float32", "bfloat16"])
+    p.add_argument("--preset", choices=["dspark", "dflash"])
+    g = p.add_argument_group("drafter")
+    g.add_argument("--block-size", type=positive_int)
+    g.add_argument("--num-draft-layers", type=positive_int)
+    g.add_argument("--markov-rank", type=int)
+    g.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"])
+    g.add_argument("--no-confidence-head", dest="enable_confidence_head", action="store_false", default=None)
+    g.add_argument("--draft-vocab-size", type=int, help="0 = the target's whole vocabulary")
+    g.add_argument("--feature-norm", action="store_true", default=None)
+    g.add_argument("--target-layer-ids", type=lambda t: [int(x) for x in t.split(",")], help="e.g. 1,8,14,21,28")
+    g.add_argument("--no-init-target-layers", dest="init_target_layers", action="store_false", default=None)
+    g.add_argument("--init-from", help="continue training an existing drafter checkpoint")
+    g = p.add_argument_group("loss")
+    g.add_argument("--ce-weight", type=float)
+    g.add_argument("--tv-weight", type=float)
+    g.add_argument("--conf-weight", type=float)
+    g.add_argument("--decay", type=float, help="position weight exp(-(k-1)/decay); <= 0 disables")
+    g.add_argument("--target-topk", type=int, help="keep the target distribution's top K (0 = full)")
+    g.add_argument("--num-anchors", type=positive_int)
+    g.add_argument("--max-length", type=positive_int)
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--epochs", type=float)
+    g.add_argument("--max-steps", type=int)
+    g.add_argument("--batch-size", type=positive_int)
+    g.add_argument("--grad-accum", type=positive_int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--warmup-ratio", type=float)
+    g.add_argument("--weight-decay", type=float)
+    g.add_argument("--clip", type=float)
+    g.add_argument("--no-bf16", dest="bf16", action="store_false", default=None)
+    g.add_argument("--feature-cache", help="folder for the on-disk target feature cache (built on first use)")
+    g.add_argument("--holdout", type=float)
+    g.add_argument("--eval-every", type=positive_int)
+    g.add_argument("--save-every", type=positive_int)
+    g.add_argument("--seed", type=int)
+    p.set_defaults(func=cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except DSparkError as e:
+        print(f"dspark: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("dspark: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

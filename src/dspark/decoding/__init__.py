@@ -1,0 +1,1 @@
+"""Decoding: plain autoregressive reference, speculative engine, verification, policies, statistics."""

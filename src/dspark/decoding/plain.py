@@ -1,0 +1,88 @@
+"""Plain autoregressive decoding on the target adapter: the reference for losslessness and speed.
+
+`stream_plain` is continuous batching: up to `max_batch` requests decode together, finished ones leave and queued
+ones join at once, so a long answer never holds a half-empty batch (regeneration runs on this).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterator
+
+import torch
+
+from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
+from dspark.decoding.sampling import SamplingParams, next_token
+from dspark.target import Target
+
+
+@torch.no_grad()
+def stream_plain(
+    target: Target,
+    queue: deque,
+    max_batch: int,
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_token_ids: set[int] | None = None,
+    on_tokens=None,
+) -> Iterator[tuple[object, GenerationResult]]:
+    """Decode (key, prompt_ids) items popped from `queue`; yields (key, result) as each finishes.
+
+    The caller may append to `queue` between yields (e.g. the next turn of a conversation)."""
+    stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
+    cache = target.new_cache(0)
+    rows: list[tuple[object, RequestState, torch.Generator, float]] = []
+    last = torch.empty(0, target.vocab_size)
+    admitted = 0
+    # A prefill costs about as much as a decode step of the whole batch: admit in groups, not one row at a time.
+    admit_at = max(1, max_batch // 4)
+    while rows or queue:
+        if queue and (max_batch - len(rows) >= min(admit_at, len(queue)) or not rows):
+            batch = [queue.popleft() for _ in range(min(max_batch - len(rows), len(queue)))]
+            states = [RequestState(admitted + i, prompt, max_new_tokens, stop) for i, (_, prompt) in enumerate(batch)]
+            gens = SamplingParams(seed=None if sampling.seed is None else sampling.seed + admitted).generators(len(batch))
+            admitted += len(batch)
+            fresh = target.new_cache(len(batch))
+            ids, lengths = pad_prompts([prompt for _, prompt in batch], target.device)
+            logits = target.forward(fresh, ids, lengths, logits="last").logits[:, 0]
+            cache.merge(fresh)
+            last = torch.cat([last, logits])
+            now = time.perf_counter()
+            rows += [(key, state, g, now) for (key, _), state, g in zip(batch, states, gens)]
+
+        tokens = next_token(last, sampling, [g for _, _, g, _ in rows]).tolist()
+        keep = []
+        for i, ((key, state, _, started), tok) in enumerate(zip(rows, tokens)):
+            taken = state.commit([tok])
+            if on_tokens and taken:
+                on_tokens(key, taken)
+            if state.finished:
+                yield key, state.result(time.perf_counter() - started)
+            else:
+                keep.append(i)
+        if len(keep) < len(rows):
+            cache.select(torch.tensor(keep, dtype=torch.long, device=target.device))
+            rows = [rows[i] for i in keep]
+        if rows:
+            fed = torch.tensor([[state.output[-1]] for _, state, _, _ in rows], device=target.device)
+            last = target.forward(cache, fed).logits[:, -1]
+        else:
+            last = last[:0]
+
+
+def generate_plain(
+    target: Target,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    sampling: SamplingParams = SamplingParams(),
+    stop_token_ids: set[int] | None = None,
+    on_tokens=None,
+    max_batch: int | None = None,
+) -> list[GenerationResult]:
+    """Decode every prompt, one token per target forward; results in prompt order."""
+    for i, p in enumerate(prompts):
+        RequestState(i, p, max_new_tokens, set())  # refuse bad requests before any compute
+    queue = deque(enumerate(prompts))
+    results = dict(stream_plain(target, queue, max_batch or len(prompts), max_new_tokens, sampling, stop_token_ids, on_tokens))
+    return [results[i] for i in range(len(prompts))]

@@ -1,0 +1,73 @@
+"""Acceptance statistics of speculative decoding, per request and merged over many."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    gamma: int
+    rounds: int = 0
+    tokens: int = 0  # τ summed over rounds (accepted drafts + the target's token)
+    verified_tokens: int = 0  # Σ ℓ
+    accepted_hist: list[int] = field(default_factory=list)  # rounds by number of accepted drafts 0..γ
+    reached: list[int] = field(default_factory=list)  # position k verified with all before it accepted
+    accepted: list[int] = field(default_factory=list)  # ... and accepted
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+
+    def __post_init__(self):
+        self.accepted_hist = self.accepted_hist or [0] * (self.gamma + 1)
+        self.reached = self.reached or [0] * self.gamma
+        self.accepted = self.accepted or [0] * self.gamma
+
+    def record(self, verified: int, accepted: int) -> None:
+        self.rounds += 1
+        self.tokens += accepted + 1
+        self.verified_tokens += verified
+        self.accepted_hist[accepted] += 1
+        for k in range(min(verified, accepted + 1)):
+            self.reached[k] += 1
+            self.accepted[k] += k < accepted
+
+    def merge(self, other: SpecStats) -> SpecStats:
+        out = SpecStats(max(self.gamma, other.gamma))
+        for s in (self, other):
+            out.rounds += s.rounds
+            out.tokens += s.tokens
+            out.verified_tokens += s.verified_tokens
+            out.draft_seconds += s.draft_seconds
+            out.verify_seconds += s.verify_seconds
+            for name in ("accepted_hist", "reached", "accepted"):
+                mine, theirs = getattr(out, name), getattr(s, name)
+                for i, v in enumerate(theirs):
+                    mine[i] += v
+        return out
+
+    @property
+    def tau(self) -> float:
+        return self.tokens / self.rounds if self.rounds else 0.0
+
+    def accept_by_position(self) -> list[float | None]:
+        """P(position k accepted | positions before k accepted and k verified), k = 1..γ."""
+        return [a / r if r else None for a, r in zip(self.accepted, self.reached)]
+
+    def to_dict(self) -> dict:
+        return {
+            "tau": round(self.tau, 4),
+            "rounds": self.rounds,
+            "gamma": self.gamma,
+            "mean_verified": round(self.verified_tokens / self.rounds, 4) if self.rounds else 0.0,
+            "accept_by_position": [None if p is None else round(p, 4) for p in self.accept_by_position()],
+            "accepted_length_histogram": list(self.accepted_hist),
+            "draft_seconds": round(self.draft_seconds, 4),
+            "verify_seconds": round(self.verify_seconds, 4),
+        }
+
+
+def merged(stats: list[SpecStats]) -> SpecStats:
+    out = SpecStats(stats[0].gamma if stats else 1)
+    for s in stats:
+        out = out.merge(s)
+    return out

@@ -1,0 +1,101 @@
+"""The parallel backbone: fused target features injected as extra keys/values into decoder layers of the target's
+own family (SPEC §2.1, §2.3).
+
+The layers are the family's own HF decoder-layer modules, so weights carry the target's names
+(`layers.N.self_attn.q_proj` ...) and can be initialised from the target's layers; only their forward is ours:
+queries come from the block, keys and values from cat(context, block).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dspark.errors import DSparkError
+
+
+def family_classes(target_config):
+    """(DecoderLayer, RMSNorm, RotaryEmbedding) classes of the target's model family."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    model_type = target_config.model_type
+    base = MODEL_MAPPING_NAMES.get(model_type)
+    if not isinstance(base, str) or not base.endswith("Model"):
+        raise DSparkError(f"the drafter backbone does not know the '{model_type}' model family")
+    prefix = base[: -len("Model")]
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    try:
+        return tuple(getattr(module, prefix + suffix) for suffix in ("DecoderLayer", "RMSNorm", "RotaryEmbedding"))
+    except AttributeError as e:
+        raise DSparkError(f"the drafter backbone does not support the '{model_type}' family yet: {e}") from e
+
+
+def check_layer_layout(layer: nn.Module, model_type: str) -> None:
+    """The KV-injection forward below is written for pre-norm decoders with two norms (Llama, Qwen2/3, Mistral)."""
+    needed = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    extra = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    if not all(hasattr(layer, n) for n in needed) or any(hasattr(layer, n) for n in extra):
+        raise DSparkError(
+            f"the '{model_type}' decoder layer layout is not supported by the drafter backbone yet "
+            "(supported: pre-norm layers with input_layernorm/post_attention_layernorm, e.g. Llama, Qwen2, Qwen3)"
+        )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding for x [B, H, L, hd] with cos/sin [B, L, hd] (the rotate-half convention of HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+class FeatureFusion(nn.Module):
+    """ctx = hidden_norm(fc(concat of captured target layers)); optionally each layer RMS-normalised first."""
+
+    def __init__(self, num_features: int, hidden_size: int, norm_cls, eps: float, feature_norm: bool):
+        super().__init__()
+        self.num_features = num_features
+        self.hidden_size = hidden_size
+        self.feature_norm = feature_norm
+        self.fc = nn.Linear(num_features * hidden_size, hidden_size, bias=False)
+        self.hidden_norm = norm_cls(hidden_size, eps=eps)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        features = features.to(self.fc.weight.dtype)
+        if self.feature_norm:
+            parts = features.unflatten(-1, (self.num_features, self.hidden_size)).float()
+            parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
+            features = parts.flatten(-2).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(features))
+
+
+def _heads(attn, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
+    """Project x [B, L, d] to heads [B, H, L, hd], with the family's per-head norm where it has one (Qwen3)."""
+    out = proj(x).unflatten(-1, (-1, attn.head_dim))
+    if norm is not None:
+        out = norm(out)
+    return out.transpose(1, 2)
+
+
+def context_kv(layer: nn.Module, ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values that one draft layer reads from the fused context ctx [B, L, d]."""
+    attn = layer.self_attn
+    k = rotate(_heads(attn, ctx, attn.k_proj, getattr(attn, "k_norm", None)), cos, sin)
+    v = _heads(attn, ctx, attn.v_proj)
+    return k, v
+
+
+def layer_forward(layer: nn.Module, x: torch.Tensor, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
+    """One draft decoder layer: block queries over cat(context, block) keys/values; mask [B, 1, Q, Lctx + Q]."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    q = rotate(_heads(attn, h, attn.q_proj, getattr(attn, "q_norm", None)), cos, sin)
+    k = rotate(_heads(attn, h, attn.k_proj, getattr(attn, "k_norm", None)), cos, sin)
+    v = _heads(attn, h, attn.v_proj)
+    k = torch.cat([ctx_k, k], dim=2)
+    v = torch.cat([ctx_v, v], dim=2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
+    return x + layer.mlp(layer.post_attention_layernorm(x))

@@ -1,0 +1,67 @@
+"""DSparkConfig: every knob of the drafter (SPEC §2), validated against the target it drafts for."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from dspark.errors import DSparkError
+
+HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass
+class DSparkConfig:
+    block_size: int = 7  # γ: draft positions per block, the anchor slot included
+    num_draft_layers: int = 5
+    target_layer_ids: list[int] = field(default_factory=list)  # decoder layers whose outputs feed the drafter
+    mask_token_id: int = -1  # filled from the target when left at -1
+    markov_rank: int = 256  # r; 0 disables the sequential head (pure parallel, DFlash)
+    markov_head_type: str = "vanilla"  # vanilla | gated | rnn
+    enable_confidence_head: bool = True
+    confidence_head_with_markov: bool = True  # confidence sees W1[x_{k-1}] beside h_k
+    num_anchors: int = 512  # blocks sampled per training sequence
+    draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else a frequent subset (d2t map)
+    feature_norm: bool = False  # RMS-normalise each captured layer before fc (tames massive activations)
+
+    def validate(self, num_target_layers: int, vocab_size: int) -> None:
+        def bad(name, why):
+            raise DSparkError(f"DSparkConfig.{name}: {why}")
+
+        if self.block_size < 1:
+            bad("block_size", f"must be >= 1, got {self.block_size}")
+        if self.num_draft_layers < 1:
+            bad("num_draft_layers", f"must be >= 1, got {self.num_draft_layers}")
+        if self.markov_rank < 0:
+            bad("markov_rank", f"must be >= 0 (0 disables the sequential head), got {self.markov_rank}")
+        if self.markov_head_type not in HEAD_TYPES:
+            bad("markov_head_type", f"unknown head type '{self.markov_head_type}'; use one of {', '.join(HEAD_TYPES)}")
+        if self.enable_confidence_head and self.confidence_head_with_markov and self.markov_rank == 0:
+            bad("confidence_head_with_markov", "needs markov_rank > 0 (there is no Markov embedding at rank 0)")
+        if not self.target_layer_ids:
+            bad("target_layer_ids", "must name at least one target decoder layer")
+        for i in self.target_layer_ids:
+            if not 0 <= i < num_target_layers - 1:
+                bad(
+                    "target_layer_ids",
+                    f"{i} is outside [0, {num_target_layers - 2}] (target has {num_target_layers} layers; "
+                    "its last layer is never a feature)",
+                )
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            bad("target_layer_ids", f"repeats a layer: {self.target_layer_ids}")
+        if not 0 <= self.mask_token_id < vocab_size:
+            bad("mask_token_id", f"{self.mask_token_id} is outside the target vocabulary [0, {vocab_size})")
+        if self.num_anchors < 1:
+            bad("num_anchors", f"must be >= 1, got {self.num_anchors}")
+        if not 0 <= self.draft_vocab_size <= vocab_size:
+            bad("draft_vocab_size", f"must be in [0, {vocab_size}] (0 = full vocabulary), got {self.draft_vocab_size}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> DSparkConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise DSparkError(f"unknown drafter config fields {sorted(unknown)}; known fields: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,310 @@
+"""DSparkDrafter: the whole drafter (SPEC §2) with its training forward, its inference `propose`, and checkpoints.
+
+Embedding and LM head are the target's, shared by reference and frozen: they are non-persistent buffers, so they
+never enter a checkpoint. With a reduced draft vocabulary (`draft_vocab_size`), the head scores only the `d2t`
+subset of the target's vocabulary and proposals are mapped back to target ids.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dspark.decoding.sampling import SamplingParams, logits_to_probs, sample_rows
+from dspark.drafter.backbone import check_layer_layout, context_kv, family_classes, layer_forward
+from dspark.drafter.config import DSparkConfig
+from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_dir
+from dspark.kvslots import KVCache
+
+CHECKPOINT_FORMAT = "dspark-drafter"
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, γ] draft tokens, target ids
+    probs: torch.Tensor | None  # [B, γ, V] the exact distributions they were sampled from (None when greedy)
+    confidence_logits: torch.Tensor | None  # [B, γ] logit of c_k
+
+    @property
+    def confidence(self) -> torch.Tensor | None:
+        return None if self.confidence_logits is None else torch.sigmoid(self.confidence_logits)
+
+
+@dataclass
+class TrainOutput:
+    logits: torch.Tensor  # [B, A, γ, Vd] draft logits, sequential bias included
+    confidence_logits: torch.Tensor | None  # [B, A, γ]
+    labels: torch.Tensor  # [B, A, γ] target ids of the γ tokens after each anchor (clamped at the sequence end)
+
+
+class DraftCache(KVCache):
+    """The drafter's context: per draft layer, keys/values of the fused target features of accepted tokens."""
+
+
+class DSparkDrafter(nn.Module):
+    def __init__(self, config: DSparkConfig, target_config, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        vocab_size, hidden = lm_head_weight.shape
+        config.validate(target_config.num_hidden_layers, vocab_size)
+        self.config = config
+        self.target_config = target_config
+        layer_cls, norm_cls, rotary_cls = family_classes(target_config)
+        eps = getattr(target_config, "rms_norm_eps", 1e-6)
+        self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = norm_cls(hidden, eps=eps)
+        self.layers = nn.ModuleList(layer_cls(target_config, i) for i in range(config.num_draft_layers))
+        check_layer_layout(self.layers[0], target_config.model_type)
+        self.norm = norm_cls(hidden, eps=eps)
+        self.rotary_emb = rotary_cls(config=target_config)
+        draft_vocab = config.draft_vocab_size or vocab_size
+        rank = config.markov_rank
+        self.markov_head = (
+            MARKOV_HEADS[config.markov_head_type](vocab_size, rank, hidden, draft_vocab) if rank > 0 else None
+        )
+        self.confidence_head = None
+        if config.enable_confidence_head:
+            self.confidence_head = ConfidenceHead(hidden + (rank if config.confidence_head_with_markov else 0))
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
+        self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
+        self._lm_slice = None
+        self.reset_parameters()
+
+    @classmethod
+    def for_target(cls, target, config: DSparkConfig | None = None) -> DSparkDrafter:
+        """A fresh drafter for a Target; unset layer ids and mask token come from the target."""
+        config = config or DSparkConfig()
+        if not config.target_layer_ids:
+            config.target_layer_ids = list(target.layer_ids)
+        if config.mask_token_id < 0:
+            config.mask_token_id = target.unused_token_id()
+        return cls(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
+
+    def reset_parameters(self) -> None:
+        std = getattr(self.target_config, "initializer_range", 0.02)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, std=std)
+            elif hasattr(module, "weight") and module.__class__.__name__.endswith("RMSNorm"):
+                nn.init.ones_(module.weight)
+        if self.markov_head is not None:
+            # The sequential bias starts at zero: training begins from the pure parallel drafter.
+            nn.init.zeros_(self.markov_head.markov_w2.weight)
+
+    def init_from_target_layers(self, target_model) -> list[int]:
+        """Copy the target's top decoder layers (and final norm) into the backbone. Returns the layers used."""
+        source = target_model.get_decoder().layers
+        first = len(source) - len(self.layers)
+        for layer, src in zip(self.layers, source[first:]):
+            layer.load_state_dict(src.state_dict())
+        self.norm.load_state_dict(target_model.get_decoder().norm.state_dict())
+        return list(range(first, len(source)))
+
+    # ---- shared pieces --------------------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.config.draft_vocab_size or self.lm_head_weight.shape[0]
+
+    def lm_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The rows of the shared LM head that the drafter scores, in `dtype`; rebuilt only when d2t or dtype change."""
+        if self.d2t is None and self.lm_head_weight.dtype == dtype:
+            return self.lm_head_weight
+        d2t_key = None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version)
+        key = (d2t_key, self.lm_head_weight.data_ptr(), dtype)
+        if self._lm_slice is None or self._lm_slice[0] != key:
+            weight = self.lm_head_weight if self.d2t is None else self.lm_head_weight.index_select(0, self.d2t)
+            self._lm_slice = (key, weight.to(dtype))
+        return self._lm_slice[1]
+
+    def set_draft_vocab(self, d2t: torch.Tensor) -> None:
+        if self.d2t is None or d2t.shape != self.d2t.shape:
+            raise DSparkError(f"draft vocabulary must have {self.draft_vocab_size} ids")
+        self.d2t.copy_(d2t.to(self.d2t))
+
+    def t2d(self) -> torch.Tensor | None:
+        """Target id -> draft id, -1 where the target token is outside the draft vocabulary."""
+        if self.d2t is None:
+            return None
+        table = torch.full((self.lm_head_weight.shape[0],), -1, dtype=torch.long, device=self.d2t.device)
+        table[self.d2t] = torch.arange(len(self.d2t), device=self.d2t.device)
+        return table
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """ctx = hidden_norm(fc(concat of captured layers)), each layer RMS-normalised first if feature_norm."""
+        features = features.to(self.fc.weight.dtype)
+        if self.config.feature_norm:
+            parts = features.unflatten(-1, (len(self.config.target_layer_ids), -1)).float()
+            parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
+            features = parts.flatten(-2).to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ctx = self.fuse(features)
+        cos, sin = self.rotary_emb(ctx, positions)
+        return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
+
+    def backbone(self, block_ids, positions, ctx_kv, mask) -> torch.Tensor:
+        """Block token ids [B, Q] at positions [B, Q] -> normed hidden states h [B, Q, d]."""
+        x = nn.functional.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        cos, sin = self.rotary_emb(x, positions)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer_forward(layer, x, cos, sin, k, v, mask)
+        return self.norm(x)
+
+    def base_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return (h @ self.lm_weight(h.dtype).T).float()
+
+    def confidence_logits(self, h, prev_ids) -> torch.Tensor | None:
+        if self.confidence_head is None:
+            return None
+        prev = self.markov_head.prev_embedding(prev_ids) if self.config.confidence_head_with_markov else None
+        return self.confidence_head(h, prev)
+
+    def block_input(self, anchor_ids: torch.Tensor) -> torch.Tensor:
+        """[..., γ] ids: the anchor followed by γ-1 mask tokens."""
+        ids = torch.full((*anchor_ids.shape, self.block_size), self.config.mask_token_id, device=anchor_ids.device)
+        ids[..., 0] = anchor_ids
+        return ids
+
+    # ---- training --------------------------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, input_ids: torch.Tensor, anchors: torch.Tensor) -> TrainOutput:
+        """All blocks of a batch of sequences in one backbone pass.
+
+        features [B, L, n*d] (target features of every position), input_ids [B, L], anchors [B, A] (positions).
+        Block a's queries see context strictly before anchors[b, a] and the whole of their own block, nothing else.
+        """
+        batch, length = input_ids.shape
+        gamma = self.block_size
+        num_blocks = anchors.shape[1]
+        device = input_ids.device
+        ctx_pos = torch.arange(length, device=device).expand(batch, length)
+        ctx_kv = self.context_kv(features, ctx_pos)
+
+        offsets = torch.arange(gamma, device=device)
+        block_ids = self.block_input(input_ids.gather(1, anchors)).flatten(1)
+        block_pos = (anchors[..., None] + offsets).flatten(1)
+        sees_ctx = ctx_pos[:, None, :] < anchors[:, :, None]  # [B, A, L]
+        sees_ctx = sees_ctx.repeat_interleave(gamma, dim=1)
+        block_of = torch.arange(num_blocks * gamma, device=device) // gamma
+        sees_block = (block_of[:, None] == block_of[None, :]).expand(batch, -1, -1)
+        mask = torch.cat([sees_ctx, sees_block], dim=2)[:, None]
+
+        h = self.backbone(block_ids, block_pos, ctx_kv, mask).unflatten(1, (num_blocks, gamma))
+        label_pos = (anchors[..., None] + 1 + offsets).clamp(max=length - 1)
+        labels = input_ids.gather(1, label_pos.flatten(1)).view_as(label_pos)
+        prev = torch.cat([input_ids.gather(1, anchors)[..., None], labels[..., :-1]], dim=-1)
+        logits = self.base_logits(h)
+        if self.markov_head is not None:
+            logits = logits + self.markov_head.block(prev, h).float()
+        return TrainOutput(logits, self.confidence_logits(h, prev), labels)
+
+    # ---- inference -------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int) -> DraftCache:
+        return DraftCache(batch_size, self.lm_head_weight.device)
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor) -> None:
+        """Append the target features of newly accepted tokens ([B, n, F], first num_new[b] real) to the context."""
+        positions = cache.slots.append(num_new, features.shape[1])
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            cache.kv.update(k, v, i)
+
+    @torch.no_grad()
+    def propose(
+        self,
+        cache: DraftCache,
+        anchor_ids: torch.Tensor,
+        sampling: SamplingParams,
+        generators: list[torch.Generator] | None = None,
+    ) -> Proposal:
+        """Draft γ tokens after each anchor [B]: one backbone pass, then the sequential head left to right."""
+        batch = anchor_ids.shape[0]
+        gamma = self.block_size
+        positions = cache.lengths[:, None] + torch.arange(gamma, device=anchor_ids.device)
+        ctx_live = (cache.slots.pos >= 0)[:, None, :].expand(-1, gamma, -1)
+        mask = torch.cat([ctx_live, ctx_live.new_ones(batch, gamma, gamma)], dim=2)[:, None]
+        ctx_kv = [cache.layer(i) for i in range(len(self.layers))]
+        h = self.backbone(self.block_input(anchor_ids), positions, ctx_kv, mask)
+        base = self.base_logits(h)
+
+        prev = anchor_ids
+        state = self.markov_head.initial_state(h[:, 0]) if self.markov_head is not None else None
+        tokens, probs, conf = [], [], []
+        for k in range(gamma):
+            logits = base[:, k]
+            if self.markov_head is not None:
+                bias, state = self.markov_head.step(prev, h[:, k], state)
+                logits = logits + bias.float()
+            if self.confidence_head is not None:
+                conf.append(self.confidence_logits(h[:, k], prev))
+            if sampling.greedy:
+                draft = logits.argmax(-1)
+            else:
+                p = logits_to_probs(logits, sampling)
+                draft = sample_rows(p, generators)
+                probs.append(p)
+            prev = draft if self.d2t is None else self.d2t[draft]
+            tokens.append(prev)
+        full_probs = None
+        if probs:
+            full_probs = torch.stack(probs, dim=1)
+            if self.d2t is not None:
+                scattered = full_probs.new_zeros(batch, gamma, self.lm_head_weight.shape[0])
+                full_probs = scattered.index_copy_(2, self.d2t, full_probs)
+        return Proposal(torch.stack(tokens, dim=1), full_probs, torch.stack(conf, dim=1) if conf else None)
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    def save(self, path: str | Path, target_identity: dict, extra: dict | None = None, dtype=None) -> None:
+        """A folder with config.json and model.safetensors (trainable weights only), written atomically."""
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        meta = {"format": CHECKPOINT_FORMAT, "format_version": 1, "drafter": self.config.to_dict(), "target": target_identity}
+        meta.update(extra or {})
+        with atomic_dir(path) as tmp:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path, target) -> DSparkDrafter:
+        meta = read_checkpoint_meta(path)
+        want, have = meta["target"].get("fingerprint"), target.fingerprint
+        if want != have:
+            raise DSparkError(
+                f"the drafter in {path} was trained for target '{meta['target'].get('name_or_path')}' "
+                f"(fingerprint {want}), but the loaded target '{target.name}' has fingerprint {have}. "
+                "Load the target it was trained for, or train a drafter for this one (`dspark train`)."
+            )
+        drafter = cls(
+            DSparkConfig.from_dict(meta["drafter"]), target.config, target.embed_tokens.weight, target.lm_head.weight
+        )
+        state = load_file(str(Path(path) / "model.safetensors"))
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise DSparkError(f"{path}: checkpoint does not match its config (missing {missing}, unexpected {unexpected})")
+        return drafter.to(target.dtype)
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise DSparkError(f"{path} is not a drafter checkpoint (it needs config.json and model.safetensors)")
+    meta = json.loads((path / "config.json").read_text())
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise DSparkError(f"{path}/config.json is not a dspark drafter config (format={meta.get('format')!r})")
+    return meta

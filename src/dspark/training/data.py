@@ -1,0 +1,115 @@
+"""Chat data: reading and validating records, and turning them into token sequences with assistant loss masks.
+
+Accepted inputs: JSONL of OpenAI-style {"messages": [{"role", "content"}, ...]}, evaluation-style {"turns": [...]}
+(user turns), or {"prompt": "..."}; or a .txt file with one prompt per line. Every record is validated before any
+compute; a bad record is reported with its file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+ROLES = ("system", "user", "assistant")
+
+
+def _messages(record: dict, where: str) -> list[dict]:
+    if "messages" in record:
+        messages = record["messages"]
+    elif "turns" in record:
+        messages = [{"role": "user", "content": t} for t in record["turns"]]
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": record["prompt"]}]
+    else:
+        raise DSparkError(f"{where}: a record needs 'messages', 'turns' or 'prompt' (found keys {sorted(record)})")
+    if not isinstance(messages, list) or not messages:
+        raise DSparkError(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            role = m.get("role") if isinstance(m, dict) else m
+            raise DSparkError(f"{where}: message {i} has unknown role {role!r}; roles are {', '.join(ROLES)}")
+        if not isinstance(m.get("content"), str) or not m["content"].strip():
+            raise DSparkError(f"{where}: message {i} ({m['role']}) has empty or non-text content")
+    if not any(m["role"] == "user" for m in messages):
+        raise DSparkError(f"{where}: the conversation has no user message")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+
+def read_records(path: str | Path) -> list[dict]:
+    """All records of a data file, validated; each gets 'id' and normalised 'messages'."""
+    path = Path(path)
+    if not path.is_file():
+        raise DSparkError(f"data file {path} does not exist")
+    records = []
+    if path.suffix == ".txt":
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if line.strip():
+                records.append({"id": f"{path.stem}-{n}", "messages": [{"role": "user", "content": line.strip()}]})
+        if not records:
+            raise DSparkError(f"{path} holds no prompts")
+        return records
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DSparkError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(record, dict):
+            raise DSparkError(f"{where}: each line must be a JSON object")
+        out = dict(record)
+        out["messages"] = _messages(record, where)
+        out.setdefault("id", f"{path.stem}-{n}")
+        ids = out.get("assistant_token_ids")
+        if ids is not None:
+            answers = sum(m["role"] == "assistant" for m in out["messages"])
+            if not isinstance(ids, list) or len(ids) != answers:
+                raise DSparkError(f"{where}: assistant_token_ids must hold one id list per assistant message")
+        records.append(out)
+    if not records:
+        raise DSparkError(f"{path} holds no records")
+    return records
+
+
+@dataclass
+class Example:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens
+    index: int = -1  # position in the training set (feature cache lookups)
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+def assistant_tokens(tokenizer, history: list[dict], answer: dict) -> list[int]:
+    """The tokens the chat template gives an assistant message: full render minus the render that prompts for it."""
+    prefix = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    full = tokenizer.apply_chat_template(history + [answer], tokenize=True, return_dict=True)["input_ids"]
+    if list(full[: len(prefix)]) == list(prefix):
+        return list(full[len(prefix):])
+    return tokenizer.encode(answer["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
+
+
+def examples_from_record(tokenizer, record: dict, max_length: int) -> list[Example]:
+    """One sequence per assistant turn: the chat-templated history, then the answer, which alone carries loss.
+
+    Regenerated records carry the exact ids the target produced (`assistant_token_ids`); others are tokenised."""
+    out, exact = [], record.get("assistant_token_ids")
+    messages = record["messages"]
+    turn = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        history = messages[:i]
+        prompt = list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        answer = list(exact[turn]) if exact else assistant_tokens(tokenizer, history, m)
+        turn += 1
+        ids = (prompt + answer)[:max_length]
+        mask = ([0] * len(prompt) + [1] * len(answer))[:max_length]
+        if sum(mask) >= 2:  # an anchor needs itself and its next token inside the mask
+            out.append(Example(ids, mask))
+    return out

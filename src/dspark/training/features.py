@@ -1,0 +1,138 @@
+"""What the frozen target contributes to a training batch: context features at every position and its next-token
+distribution q where labels are supervised.
+
+`OnlineFeatures` runs the target inside the training loop (no giant offline cache); `CachedFeatures` reads them
+from a feature cache built once on disk (worth it for small targets trained for several epochs). Both hand the
+trainer the same `TargetBatch`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_dir
+from dspark.training.data import Example
+from dspark.training.loss import TargetDist
+
+
+def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """input_ids [B, L], loss_mask [B, L], lengths [B] (right-padded with id 0 outside the mask)."""
+    length = max(len(e) for e in examples)
+    ids = torch.zeros(len(examples), length, dtype=torch.long)
+    mask = torch.zeros(len(examples), length, dtype=torch.long)
+    for i, e in enumerate(examples):
+        ids[i, : len(e)] = torch.tensor(e.input_ids)
+        mask[i, : len(e)] = torch.tensor(e.loss_mask)
+    return ids, mask, torch.tensor([len(e) for e in examples])
+
+
+def distribution(logits: torch.Tensor, topk: int) -> TargetDist:
+    """q = softmax(logits) (temperature 1), dense or kept as its top-K."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    if not topk:
+        return TargetDist(probs)
+    values, ids = probs.topk(topk, dim=-1)
+    return TargetDist(values, ids)
+
+
+@dataclass
+class TargetBatch:
+    input_ids: torch.Tensor  # [B, L]
+    loss_mask: torch.Tensor  # [B, L]
+    features: torch.Tensor  # [B, L, n*d]
+    q_source: object  # gives q at chosen (row, position) pairs
+
+    def target_dist(self, rows: torch.Tensor, positions: torch.Tensor) -> TargetDist:
+        return self.q_source(rows, positions)
+
+
+class OnlineFeatures:
+    """Target forward per batch; q recomputed from the last hidden state through the LM head, only where needed."""
+
+    def __init__(self, target, topk: int, chunk: int = 1024):
+        self.target, self.topk, self.chunk = target, topk, chunk
+
+    def __call__(self, examples: list[Example]) -> TargetBatch:
+        ids, mask, lengths = pad_batch(examples)
+        out = self.target.forward_sequences(ids, lengths, logits=False, features=True, last_hidden=True)
+        hidden = out.last_hidden
+
+        def q_at(rows, positions):
+            parts = []
+            for s in range(0, len(rows), self.chunk):
+                h = hidden[rows[s : s + self.chunk], positions[s : s + self.chunk]]
+                parts.append(distribution(self.target.logits_from_hidden(h), self.topk))
+            ids_ = None if parts[0].ids is None else torch.cat([p.ids for p in parts])
+            return TargetDist(torch.cat([p.probs for p in parts]), ids_)
+
+        return TargetBatch(ids, mask, out.features, q_at)
+
+
+class CachedFeatures:
+    """Features (bf16) and top-K q (fp16 probabilities, int32 ids) of every token, memory-mapped from disk."""
+
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        self.index = json.loads((folder / "index.json").read_text())
+        total, width, k = self.index["tokens"], self.index["feature_dim"], self.index["topk"]
+        self.features = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(total, width))
+        self.q_probs = np.memmap(folder / "q_probs.bin", dtype=np.float16, mode="r", shape=(total, k))
+        self.q_ids = np.memmap(folder / "q_ids.bin", dtype=np.int32, mode="r", shape=(total, k))
+        self.offsets = self.index["offsets"]
+
+    def check(self, examples: list[Example], identity: dict) -> None:
+        if self.index["target"] != identity or self.index["num_examples"] != len(examples):
+            raise DSparkError("the feature cache was built for other data or another target; delete it or pick a new folder")
+
+    def __call__(self, examples: list[Example]) -> TargetBatch:
+        ids, mask, _ = pad_batch(examples)
+        batch, length = ids.shape
+        width, k = self.features.shape[1], self.q_probs.shape[1]
+        feats = torch.zeros(batch, length, width, dtype=torch.bfloat16)
+        q_probs = torch.zeros(batch, length, k)
+        q_ids = torch.zeros(batch, length, k, dtype=torch.long)
+        for i, e in enumerate(examples):
+            start, n = self.offsets[e.index]
+            feats[i, :n] = torch.from_numpy(np.array(self.features[start : start + n])).view(torch.bfloat16)
+            q_probs[i, :n] = torch.from_numpy(np.array(self.q_probs[start : start + n])).float()
+            q_ids[i, :n] = torch.from_numpy(np.array(self.q_ids[start : start + n])).long()
+        return TargetBatch(ids, mask, feats, lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos]))
+
+
+def build_feature_cache(folder: str | Path, target, examples: list[Example], topk: int, batch_size: int = 8) -> None:
+    """Run the target once over every example and store what training needs; atomic (a killed build leaves nothing)."""
+    if topk <= 0:
+        raise DSparkError("a feature cache stores q as its top-K: pass --target-topk > 0 with --feature-cache")
+    total = sum(len(e) for e in examples)
+    width = len(target.layer_ids) * target.hidden_size
+    offsets, start = [], 0
+    for e in examples:
+        offsets.append((start, len(e)))
+        start += len(e)
+    with atomic_dir(folder) as tmp:
+        features = np.memmap(tmp / "features.bin", dtype=np.uint16, mode="w+", shape=(total, width))
+        q_probs = np.memmap(tmp / "q_probs.bin", dtype=np.float16, mode="w+", shape=(total, topk))
+        q_ids = np.memmap(tmp / "q_ids.bin", dtype=np.int32, mode="w+", shape=(total, topk))
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+        for s in tqdm(range(0, len(order), batch_size), desc="feature cache", unit="batch", dynamic_ncols=True):
+            chunk = [examples[i] for i in order[s : s + batch_size]]
+            ids, _, lengths = pad_batch(chunk)
+            out = target.forward_sequences(ids, lengths, logits=False, features=True, last_hidden=True)
+            for j, i in enumerate(order[s : s + batch_size]):
+                a, n = offsets[i]
+                features[a : a + n] = out.features[j, :n].to(torch.bfloat16).view(torch.uint16).numpy()
+                q = distribution(target.logits_from_hidden(out.last_hidden[j, :n]), topk)
+                q_probs[a : a + n] = q.probs.half().numpy()
+                q_ids[a : a + n] = q.ids.int().numpy()
+        for m in (features, q_probs, q_ids):
+            m.flush()
+        index = {"tokens": total, "feature_dim": width, "topk": topk, "offsets": offsets,
+                 "num_examples": len(examples), "target": target.identity()}
+        (tmp / "index.json").write_text(json.dumps(index))

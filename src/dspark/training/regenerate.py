@@ -1,0 +1,101 @@
+"""Regeneration: the target answers every prompt itself, so the drafter learns to imitate the target (SPEC §3).
+
+Multi-turn records are answered turn by turn, each turn given the regenerated history. Continuous batching keeps
+the batch full. Output JSONL is appended one finished record at a time; a restarted run skips what is already
+there and drops a torn last line, so records are never duplicated or lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import deque
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dspark.decoding.plain import stream_plain
+from dspark.decoding.sampling import SamplingParams
+
+
+def completed_ids(path: Path) -> set[str]:
+    """Ids already written; a torn last line (killed mid-write) is cut off the file."""
+    if not path.exists():
+        return set()
+    done, good_bytes = set(), 0
+    with path.open("rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except json.JSONDecodeError:
+                break
+            if not raw.endswith(b"\n"):
+                break
+            done.add(record["id"])
+            good_bytes += len(raw)
+    if good_bytes != path.stat().st_size:
+        with path.open("rb+") as f:
+            f.truncate(good_bytes)
+    return done
+
+
+def regenerate(
+    target,
+    records: list[dict],
+    out_path: str | Path,
+    max_new_tokens: int = 384,
+    batch_size: int = 32,
+    sampling: SamplingParams = SamplingParams(),
+    progress: bool = True,
+) -> dict:
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = completed_ids(out_path)
+    todo = [r for r in records if r["id"] not in done]
+    meta = {"sampling": vars(sampling), "max_new_tokens": max_new_tokens, "target": target.identity()}
+
+    # Each conversation keeps the user/system messages; assistant messages are replaced by the target's answers.
+    state = {}
+    queue = deque()
+
+    def schedule(rid: str) -> None:
+        """Queue the next user turn of a conversation (its history holds the answers regenerated so far)."""
+        s = state[rid]
+        while s["next"] < len(s["source"]) and s["source"][s["next"]]["role"] != "user":
+            if s["source"][s["next"]]["role"] == "system":
+                s["messages"].append(s["source"][s["next"]])
+            s["next"] += 1
+        s["messages"].append(s["source"][s["next"]])
+        s["next"] += 1
+        queue.append((rid, target.encode_chat(s["messages"])))
+
+    for r in todo:
+        state[r["id"]] = {"record": r, "source": r["messages"], "messages": [], "next": 0, "ids": [], "finish": []}
+        schedule(r["id"])
+
+    tokens = 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
+    with out_path.open("a") as f:
+        for rid, result in stream_plain(target, queue, batch_size, max_new_tokens, sampling):
+            s = state[rid]
+            tokens += len(result.token_ids)
+            s["messages"].append({"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)})
+            s["ids"].append(result.token_ids)
+            s["finish"].append(result.finish_reason)
+            if any(m["role"] == "user" for m in s["source"][s["next"]:]):
+                schedule(rid)
+                continue
+            record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
+            record.update(messages=s["messages"], assistant_token_ids=s["ids"], finish_reasons=s["finish"], **meta)
+            f.write(json.dumps(record, ensure_ascii=False) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+            del state[rid]
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {"records_written": len(todo), "skipped_done": len(done), "new_tokens": tokens, "seconds": round(seconds, 1),
+            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}

@@ -1,0 +1,277 @@
+"""Training prompts that ship offline and never overlap the evaluation sets.
+
+Four sources, mixed like the paper's data (chat 18 %, math 39 %, code 39 %, instructions 4 %):
+- chat: opening turns of human conversations from the `chitchat-dataset` package (MIT);
+- math: word problems and exercises generated from templates with random numbers;
+- code: tasks built from the Python standard library's own functions and docstrings;
+- instruct: short writing and explanation requests from templates.
+Every prompt is checked against the evaluation prompts (8-word shingles) and dropped on any overlap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import random
+import re
+from pathlib import Path
+
+MIX = {"chat": 0.18, "math": 0.39, "code": 0.39, "instruct": 0.04}
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
+
+
+# ---- chat --------------------------------------------------------------------------------------------------------
+def chat_prompts(rng: random.Random) -> list[list[str]]:
+    """User turns (1 or 2) from each chitchat conversation: one speaker's consecutive messages form a turn."""
+    import chitchat_dataset
+
+    data = json.loads((Path(chitchat_dataset.__file__).parent / "dataset.json").read_text())
+    conversations = []
+    for conv in data.values():
+        groups = conv["messages"]
+        if len(groups) < 3:
+            continue
+        first = groups[0][0]["sender"]
+        turns = [" ".join(u["text"].strip() for u in g) for g in groups if g and g[0]["sender"] == first]
+        turns = [t for t in turns if len(t.split()) >= 2][: rng.choice([1, 1, 2])]
+        if turns:
+            conversations.append(turns)
+    rng.shuffle(conversations)
+    return conversations
+
+
+# ---- math --------------------------------------------------------------------------------------------------------
+NAMES = ["Ava", "Liam", "Maya", "Noah", "Zoe", "Omar", "Lena", "Ravi", "Ines", "Kofi", "Yuki", "Tom", "Sara", "Ivan"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "books", "cookies", "cards", "shells", "bottles", "stamps"]
+PLACES = ["bakery", "library", "garden", "farm", "toy store", "school fair", "market", "museum shop"]
+
+
+def _math_word(rng: random.Random) -> str:
+    n, m = rng.sample(NAMES, 2)
+    item, place = rng.choice(ITEMS), rng.choice(PLACES)
+    a, b, c = rng.randint(3, 60), rng.randint(2, 15), rng.randint(2, 9)
+    price = rng.choice([0.25, 0.5, 0.75, 1.25, 1.5, 2, 3, 4, 5, 7.5])
+    pct = rng.choice([10, 15, 20, 25, 30, 40, 50, 60, 75])
+    templates = [
+        f"{n} buys {a} {item} at the {place} and gives {b} of them to {m}. Then {n} buys {c} more packs with {b} {item} in each. How many {item} does {n} have now?",
+        f"At the {place}, {item} cost ${price} each. {n} buys {a} {item} and pays with a ${(int(a * price) // 10 + 1) * 10} bill. How much change does {n} get?",
+        f"{n} reads {b} pages every weekday and {c} pages on each weekend day. How many pages does {n} read in {rng.randint(2, 6)} weeks?",
+        f"A {place} sold {a * 10} {item} on Monday. On Tuesday it sold {pct}% more than on Monday. How many {item} did it sell on the two days together?",
+        f"{n} is {a} years old. {m} is {c} years younger than twice {n}'s age. How old will {m} be in {b} years?",
+        f"A train travels {a * 5} km in {c} hours. At the same speed, how far does it travel in {c + b} hours?",
+        f"{n} saves ${b} every week. {m} saves ${c} more than {n} every week. After {a} weeks, how much have they saved together?",
+        f"A rectangle is {a} cm long and {b} cm wide. A square has the same perimeter as the rectangle. What is the area of the square?",
+        f"{n} had ${a * 4}. {n} spent {pct}% of it on {item} and then half of what was left on lunch. How much money does {n} have left?",
+        f"There are {a} students in a class. {pct}% of them play football, and {b} of the rest play chess. How many students play neither?",
+        f"A recipe needs {c} cups of flour for every {b} cookies. How many cups of flour are needed for {b * a} cookies?",
+        f"{n} runs {c} km every day for {b} days, then rests for {rng.randint(1, 3)} days, and repeats. How many km does {n} run in {b * 4 + 4} days?",
+        f"A tank holds {a * 20} liters. It is {pct}% full. A pipe adds {b} liters per minute. How many minutes until the tank is full?",
+        f"{n} and {m} share {a * c} {item} in the ratio {c}:{b}. How many {item} does {m} get?",
+    ]
+    return rng.choice(templates) + MATH_SUFFIX
+
+
+def _math_exercise(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 19), rng.randint(2, 30), rng.randint(20, 120)
+    p, q = rng.randint(12, 240), rng.randint(12, 240)
+    templates = [
+        f"Solve for $x$: ${a}x + {b} = {c}$.",
+        f"What is the greatest common divisor of {p} and {q}?",
+        f"What is the least common multiple of {a} and {b}?",
+        f"Compute $\\binom{{{a + 3}}}{{{min(a, 4)}}}$.",
+        f"Simplify $\\frac{{{p}}}{{{q}}}$.",
+        f"What is the sum of all positive divisors of {p}?",
+        f"Find the area of a circle whose circumference is ${2 * a}\\pi$.",
+        f"Evaluate $\\sqrt{{{a * a * b}}}$ in simplest radical form.",
+        f"What is the remainder when ${a}^{{{b}}}$ is divided by {rng.choice([5, 7, 9, 11, 13])}?",
+        f"The sum of two numbers is {c} and their difference is {b}. What is the larger number?",
+        f"Find all real $x$ such that $x^2 - {a + b}x + {a * b} = 0$.",
+        f"How many positive integers less than {c * 3} are multiples of {a} but not of {b}?",
+        f"What is the slope of the line through $({a}, {b})$ and $({c}, {p})$?",
+        f"If $f(x) = {a}x^2 - {b}x + {c % 17}$, what is $f({rng.randint(-5, 6)})$?",
+        f"What is ${p}\\%$ of ${q * 10}$?",
+        f"A fair die is rolled {min(a, 4)} times. What is the probability that every roll shows an even number?",
+        f"Convert ${p}$ from base 10 to base {rng.choice([2, 3, 5, 7, 8])}.",
+        f"What is the sum of the interior angles of a polygon with {a + 3} sides?",
+    ]
+    return rng.choice(templates) + MATH_SUFFIX
+
+
+def math_prompts(rng: random.Random, count: int) -> list[list[str]]:
+    return [[(_math_word if rng.random() < 0.6 else _math_exercise)(rng)] for _ in range(count)]
+
+
+# ---- code --------------------------------------------------------------------------------------------------------
+STDLIB_MODULES = [
+    "textwrap", "string", "posixpath", "shutil", "json", "csv", "fractions", "statistics", "heapq", "bisect",
+    "random", "calendar", "collections", "functools", "difflib", "html", "urllib.parse", "base64", "ipaddress",
+    "glob", "fnmatch", "shlex", "colorsys", "copy", "pprint", "re", "operator", "zipfile", "tarfile", "email.utils",
+    "inspect", "keyword", "decimal", "secrets", "uuid", "datetime", "os", "tempfile", "gzip", "wave", "quopri",
+    "uu", "mimetypes", "netrc", "filecmp", "linecache", "tokenize", "ast", "dis", "gettext", "locale", "codecs",
+    "numbers", "enum", "dataclasses", "typing", "contextlib", "abc", "traceback", "warnings", "logging", "argparse",
+    "getopt", "sched", "queue", "threading", "subprocess", "socket", "selectors", "http.cookies", "http.client",
+    "urllib.request", "xml.dom.minidom", "xml.etree.ElementTree", "plistlib", "configparser", "tomllib", "zlib",
+    "hashlib", "hmac", "binascii", "struct", "array", "weakref", "types", "itertools", "math", "cmath", "pathlib",
+    "ntpath", "stat", "fileinput", "imghdr", "sndhdr", "chunk", "graphlib", "reprlib", "string", "unicodedata",
+]
+
+
+def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
+    """(qualified name, signature, docstring, source or None) of public documented stdlib functions/methods."""
+    found, seen = [], set()
+    for name in STDLIB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except Exception:
+            continue
+        members = []
+        for attr, obj in vars(module).items():
+            if attr.startswith("_"):
+                continue
+            if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+                members.append((attr, obj))
+            elif inspect.isclass(obj) and getattr(obj, "__module__", "") == module.__name__:
+                members += [(f"{attr}.{m}", f) for m, f in vars(obj).items() if not m.startswith("_") and inspect.isfunction(f)]
+        for qual, obj in members:
+            doc = inspect.getdoc(obj) or ""
+            doc = doc.strip()
+            if len(doc.split()) < 6 or doc in seen:
+                continue
+            seen.add(doc)
+            try:
+                sig = str(inspect.signature(obj))
+            except (TypeError, ValueError):
+                sig = "(*args)"
+            try:
+                src = inspect.getsource(obj) if inspect.isfunction(obj) else None
+            except (OSError, TypeError):
+                src = None
+            found.append((f"{name}.{qual}", sig, doc, src))
+    return found
+
+
+def _first_sentence(doc: str) -> str:
+    para = doc.split("\n\n")[0].replace("\n", " ").strip()
+    m = re.match(r"(.+?[.!?])(\s|$)", para)
+    return (m.group(1) if m else para).rstrip(".")
+
+
+def _code_prompt(style: int, qual: str, sig: str, doc: str, src: str | None, rng: random.Random) -> str | None:
+    short = qual.split(".")[-1]
+    sentence = _first_sentence(doc)
+    task = sentence[0].lower() + sentence[1:] if sentence else f"implement {short}"
+    body = "\n".join("    " + line if line else "" for line in doc.split("\n")[:12])
+    if style == 0:
+        return f'{CODE_PREFIX}def {short}{sig}:\n    """\n{body}\n    """\n```'
+    if style == 1:
+        lead = rng.choice(["Write a python function to", "Write a function to", "Write a Python function that"])
+        return f"{lead} {task}."
+    if style == 2:
+        return f"Implement `{short}{sig}` in Python without using the `{qual.split('.')[0]}` module. {sentence}."
+    if style == 3:
+        return f"Write pytest unit tests for a function `{short}{sig}` whose documentation says:\n{doc[:600]}"
+    if src is None or len(src) > 1800:
+        return None
+    if style == 4:
+        return f"Explain what the following Python function does, step by step:\n```python\n{src}```"
+    if style == 5:
+        return f"Rewrite the following Python function to make it shorter and easier to read:\n```python\n{src}```"
+    if style == 6:
+        return f"What is the time complexity of this function? Explain briefly.\n```python\n{src}```"
+    return None
+
+
+CODE_STYLES = 7
+
+
+def code_prompts(rng: random.Random, count: int) -> list[list[str]]:
+    """Distinct (function, style) pairs, styles weighted towards writing code (as HumanEval/MBPP ask)."""
+    functions = _stdlib_functions()
+    pairs = [(f, style) for f in functions for style in range(CODE_STYLES)]
+    weights = [3, 3, 1, 1, 1, 1, 1]
+    rng.shuffle(pairs)
+    pairs.sort(key=lambda fs: rng.random() / weights[fs[1]])  # weighted shuffle: more of styles 0 and 1 first
+    prompts = []
+    for (qual, sig, doc, src), style in pairs:
+        text = _code_prompt(style, qual, sig, doc, src, rng)
+        if text:
+            prompts.append([text])
+        if len(prompts) == count:
+            break
+    return prompts
+
+
+# ---- instructions ------------------------------------------------------------------------------------------------
+TOPICS = ["the ocean", "autumn", "a city at night", "friendship", "learning to code", "a rainy day", "mountains",
+          "coffee", "a lighthouse", "the first day of school", "space travel", "a small garden", "old books",
+          "a train journey", "winter mornings", "a busy kitchen", "an abandoned house", "a desert", "the moon",
+          "a music festival", "grandparents", "a lost key", "city parks", "a bakery at dawn", "robots"]
+ACTIVITIES = ["studying for exams", "saving money", "sleeping better", "learning a language", "running a meeting",
+              "starting to exercise", "writing clean code", "cooking for a family", "moving to a new city"]
+CONCEPTS = ["photosynthesis", "inflation", "machine learning", "the water cycle", "gravity", "compound interest",
+            "how vaccines work", "recursion", "supply and demand", "climate change", "the internet", "electricity"]
+
+
+def instruct_prompts(rng: random.Random, count: int) -> list[list[str]]:
+    makers = [
+        lambda: f"Write a short poem about {rng.choice(TOPICS)}.",
+        lambda: f"Give me three practical tips for {rng.choice(ACTIVITIES)}.",
+        lambda: f"Explain {rng.choice(CONCEPTS)} to a ten-year-old.",
+        lambda: f"Write a short story opening set in {rng.choice(TOPICS)}.",
+        lambda: f"Summarize the pros and cons of {rng.choice(ACTIVITIES)} in a few bullet points.",
+        lambda: f"Write a friendly email inviting a colleague to a talk about {rng.choice(CONCEPTS)}.",
+        lambda: f"What are common mistakes people make when {rng.choice(ACTIVITIES)}?",
+        lambda: f"Write a haiku about {rng.choice(TOPICS)}.",
+        lambda: f"Describe {rng.choice(TOPICS)} in three sentences for a travel magazine.",
+        lambda: f"Compare {rng.choice(CONCEPTS)} and {rng.choice(CONCEPTS)} in a short paragraph.",
+        lambda: f"Write a product description for a gadget that helps with {rng.choice(ACTIVITIES)}.",
+    ]
+    return [[rng.choice(makers)()] for _ in range(count)]
+
+
+# ---- assembly ----------------------------------------------------------------------------------------------------
+def _shingles(text: str, n: int = 8) -> set[str]:
+    for fixed in (MATH_SUFFIX, CODE_PREFIX):
+        text = text.replace(fixed, " ")
+    words = re.findall(r"\w+", text.lower())
+    return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def eval_shingles(eval_dir: Path | None) -> set[str]:
+    shingles: set[str] = set()
+    if eval_dir and Path(eval_dir).is_dir():
+        for path in sorted(Path(eval_dir).glob("*.jsonl")):
+            for line in path.read_text().splitlines():
+                if line.strip():
+                    for turn in json.loads(line).get("turns", []):
+                        shingles |= _shingles(turn)
+    return shingles
+
+
+def build_prompts(count: int, seed: int = 0, eval_dir: Path | None = None, mix: dict | None = None) -> tuple[list[dict], dict]:
+    """`count` prompt records in the given mix, shuffled; returns (records, report of counts and dropped overlaps)."""
+    mix = mix or MIX
+    rng = random.Random(seed)
+    want = {k: round(count * v) for k, v in mix.items()}
+    pools = {
+        "chat": chat_prompts(rng)[: want.get("chat", 0)],
+        "math": math_prompts(rng, want.get("math", 0)),
+        "code": code_prompts(rng, want.get("code", 0)),
+        "instruct": instruct_prompts(rng, want.get("instruct", 0)),
+    }
+    forbidden = eval_shingles(eval_dir)
+    records, dropped, seen = [], {}, set()
+    for source, prompts in pools.items():
+        for turns in prompts:
+            key = "\n".join(turns)
+            if key in seen or any(_shingles(t) & forbidden for t in turns):
+                dropped[source] = dropped.get(source, 0) + 1
+                continue
+            seen.add(key)
+            records.append({"id": f"{source}-{len(records):06d}", "source": source,
+                            "messages": [{"role": "user", "content": t} for t in turns]})
+    rng.shuffle(records)
+    counts = {s: sum(r["source"] == s for r in records) for s in pools}
+    return records, {"requested": count, "counts": counts, "dropped_overlap_or_duplicate": dropped, "seed": seed}

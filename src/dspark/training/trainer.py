@@ -1,0 +1,387 @@
+"""`dspark train`: the drafter's training loop, read top to bottom (SPEC §3).
+
+Per step: a batch of sequences -> target features (online, or from the feature cache) -> anchors and supervised
+block positions -> the drafter's forward over all blocks -> the three-term loss -> AdamW with warmup + cosine.
+Runs alone or under torchrun (DDP; gloo on CPU). Checkpoints are atomic and hold everything `--resume` needs to
+continue exactly: weights, optimizer moments, schedule position, random state and data position. No pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from dspark.drafter import DSparkConfig, DSparkDrafter
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_dir
+from dspark.training.anchors import block_supervision, position_weights, sample_anchors
+from dspark.training.data import Example, examples_from_record, read_records
+from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
+from dspark.training.loss import LossWeights, dspark_loss
+
+PRESETS = {
+    # The paper's drafter: Markov head, confidence head, CE 0.1 + L1 0.9 + confidence 1.0.
+    "dspark": dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
+                   confidence_head_with_markov=True, ce_weight=0.1, tv_weight=0.9, conf_weight=1.0),
+    # The DFlash baseline: same backbone, no sequential or confidence head, cross-entropy only.
+    "dflash": dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False,
+                   ce_weight=1.0, tv_weight=0.0, conf_weight=0.0),
+}
+
+
+@dataclass
+class TrainConfig:
+    data: str
+    out: str
+    model: str = "smollm2-135m-instruct"
+    target_dtype: str = "bfloat16"
+    preset: str = "dspark"
+    # drafter (SPEC §2); None = the preset's value
+    block_size: int = 7
+    num_draft_layers: int = 2
+    markov_rank: int | None = None
+    markov_head_type: str | None = None
+    enable_confidence_head: bool | None = None
+    confidence_head_with_markov: bool | None = None
+    draft_vocab_size: int = 0
+    feature_norm: bool = False
+    target_layer_ids: list[int] = field(default_factory=list)
+    init_target_layers: bool = True  # start the backbone from the target's top decoder layers
+    init_from: str | None = None  # continue from an existing drafter checkpoint
+    # loss (SPEC §3); None = the preset's value
+    ce_weight: float | None = None
+    tv_weight: float | None = None
+    conf_weight: float | None = None
+    decay: float = 4.0
+    target_topk: int = 0  # 0 = the target's full distribution
+    num_anchors: int = 64
+    max_length: int = 1024
+    # optimisation
+    epochs: float = 1.0
+    max_steps: int = 0  # > 0 overrides epochs
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    bf16: bool = True  # autocast the drafter (fp32 master weights)
+    feature_cache: str | None = None
+    holdout: float = 0.02
+    eval_every: int = 200
+    save_every: int = 200
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise DSparkError(f"unknown preset '{self.preset}'; use one of {', '.join(PRESETS)}")
+        for key, value in PRESETS[self.preset].items():
+            if getattr(self, key) is None:
+                setattr(self, key, value)
+        for name in ("batch_size", "grad_accum", "num_anchors", "max_length", "eval_every", "save_every"):
+            if getattr(self, name) <= 0:
+                raise DSparkError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if self.max_steps <= 0 and self.epochs <= 0:
+            raise DSparkError("train for something: --epochs > 0 or --max-steps > 0")
+
+    def drafter_config(self) -> DSparkConfig:
+        return DSparkConfig(
+            block_size=self.block_size, num_draft_layers=self.num_draft_layers, target_layer_ids=list(self.target_layer_ids),
+            markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
+            enable_confidence_head=self.enable_confidence_head, confidence_head_with_markov=self.confidence_head_with_markov,
+            num_anchors=self.num_anchors, draft_vocab_size=self.draft_vocab_size, feature_norm=self.feature_norm,
+        )
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainConfig:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# ---- distributed --------------------------------------------------------------------------------------------------
+def init_distributed() -> tuple[int, int]:
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        x = x.clone()
+        dist.all_reduce(x)
+    return x
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+def load_examples(tokenizer, path: str, max_length: int, holdout: float) -> tuple[list[Example], list[Example]]:
+    """Training and held-out examples; the hold-out is a fixed slice chosen by record id."""
+    train, held = [], []
+    for record in read_records(path):
+        if not any(m["role"] == "assistant" for m in record["messages"]):
+            raise DSparkError(f"{path}: record {record['id']} has no assistant answer; run `dspark regenerate` first")
+        bucket = held if (hash_id(record["id"]) % 10000) < holdout * 10000 else train
+        bucket.extend(examples_from_record(tokenizer, record, max_length))
+    if not train:
+        raise DSparkError(f"{path}: no training examples with at least two assistant tokens")
+    for i, e in enumerate(train):
+        e.index = i
+    return train, held
+
+
+def hash_id(text: str) -> int:
+    import zlib
+
+    return zlib.crc32(text.encode())
+
+
+def epoch_batches(examples: list[Example], batch_size: int, epoch: int, seed: int) -> list[list[int]]:
+    """Batches of similar length (little padding), in a random order that depends only on (seed, epoch)."""
+    rng = random.Random(seed * 1000003 + epoch)
+    order = list(range(len(examples)))
+    rng.shuffle(order)
+    batches = []
+    group = batch_size * 32
+    for g in range(0, len(order), group):
+        chunk = sorted(order[g : g + group], key=lambda i: len(examples[i]))
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def draft_vocabulary(examples: list[Example], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent assistant tokens (sorted ids) and the share of assistant tokens they cover."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        answer = torch.tensor([t for t, m in zip(e.input_ids, e.loss_mask) if m])
+        counts += torch.bincount(answer, minlength=vocab_size)
+    top = counts.topk(size).indices.sort().values
+    return top, float(counts[top].sum() / counts.sum().clamp_min(1))
+
+
+# ---- one step -----------------------------------------------------------------------------------------------------
+@dataclass
+class BlockPlan:
+    anchors: torch.Tensor  # [B, A]
+    supervised: torch.Tensor  # [B, A, γ] bool
+    weights: torch.Tensor  # [B, A, γ] position decay on supervised positions, 0 elsewhere
+
+
+def plan_blocks(batch: TargetBatch, cfg: TrainConfig, generator) -> BlockPlan:
+    anchors, valid = sample_anchors(batch.loss_mask, cfg.num_anchors, generator)
+    supervised = block_supervision(batch.loss_mask, anchors, valid, cfg.block_size)
+    return BlockPlan(anchors, supervised, supervised * position_weights(cfg.block_size, cfg.decay))
+
+
+def block_loss(model, batch: TargetBatch, plan: BlockPlan, cfg: TrainConfig, denominator=None):
+    """The drafter over all blocks of the batch, then the loss on supervised positions -> (loss, metrics)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+        out = model(batch.features, batch.input_ids, plan.anchors)
+    sel = plan.supervised.nonzero(as_tuple=True)  # (row, block, k) of every supervised position
+    positions = plan.anchors[sel[0], sel[1]] + sel[2]  # q for label k comes from position anchor + k - 1
+    alphas = LossWeights(cfg.ce_weight, cfg.tv_weight, cfg.conf_weight)
+    need_q = alphas.tv > 0 or (alphas.conf > 0 and out.confidence_logits is not None)
+    target = batch.target_dist(sel[0], positions) if need_q else None
+    drafter = model.module if hasattr(model, "module") else model
+    confidence = None if out.confidence_logits is None else out.confidence_logits[sel]
+    return dspark_loss(out.logits[sel], out.labels[sel], confidence, plan.weights[sel], target, alphas,
+                       drafter.d2t, drafter.t2d(), denominator)
+
+
+@torch.no_grad()
+def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_size: int) -> dict:
+    """Teacher-forced acceptance on held-out data. With greedy regenerated data, a block's greedy τ is 1 + its
+    leading run of draft argmax == label, exactly what the engine would accept at that anchor."""
+    drafter.eval()
+    gamma = cfg.block_size
+    runs, blocks, accepted_pos, reached_pos = 0.0, 0, torch.zeros(gamma), torch.zeros(gamma)
+    g = torch.Generator().manual_seed(1234)
+    for s in range(0, len(examples), batch_size):
+        batch = source(examples[s : s + batch_size])
+        anchors, valid = sample_anchors(batch.loss_mask, cfg.num_anchors, g)
+        full = block_supervision(batch.loss_mask, anchors, valid, gamma).all(-1)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+            out = drafter(batch.features, batch.input_ids, anchors)
+        guess = out.logits.argmax(-1)
+        guess = guess if drafter.d2t is None else drafter.d2t[guess]
+        match = (guess == out.labels)[full]
+        lead = match.long().cumprod(-1)
+        runs += float(lead.sum())
+        blocks += match.shape[0]
+        reached = torch.cat([torch.ones_like(lead[:, :1]), lead[:, :-1]], dim=1)
+        accepted_pos += lead.sum(0).float()
+        reached_pos += reached.sum(0).float()
+    drafter.train()
+    if not blocks:
+        return {}
+    return {"tau_greedy": round(1 + runs / blocks, 4), "eval_blocks": blocks,
+            "accept_by_position": [round(float(a / r), 4) if r else None for a, r in zip(accepted_pos, reached_pos)]}
+
+
+# ---- checkpoints --------------------------------------------------------------------------------------------------
+def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig) -> None:
+    """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
+    opt = optimizer.state_dict()
+    tensors = {f"state.{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
+    tensors["rng.torch"] = torch.get_rng_state()
+    meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
+            "train_config": asdict(cfg)}
+    with atomic_dir(path) as tmp:
+        drafter.save(tmp / "drafter", target_identity, extra={"training": asdict(cfg)})
+        for name in ("config.json", "model.safetensors"):  # the checkpoint folder itself loads as a drafter
+            os.link(tmp / "drafter" / name, tmp / name)
+        save_file(tensors, str(tmp / "trainer_state.safetensors"))
+        (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_checkpoint(path: Path, drafter, optimizer) -> dict:
+    from safetensors.torch import load_file as load
+
+    drafter.load_state_dict(load(str(path / "model.safetensors")))
+    meta = json.loads((path / "trainer_state.json").read_text())
+    tensors = load_file(str(path / "trainer_state.safetensors"))
+    state = {}
+    for key, value in tensors.items():
+        if key.startswith("state."):
+            _, idx, name = key.split(".", 2)
+            state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    torch.set_rng_state(tensors["rng.torch"])
+    random.setstate(eval(meta["python_rng"], {"__builtins__": {}}))  # tuples of ints only
+    return meta["loop"]
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    warmup = max(1, int(cfg.warmup_ratio * total))
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ---- the loop -----------------------------------------------------------------------------------------------------
+def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dspark.target import Target
+
+    rank, world = init_distributed()
+    out = Path(cfg.out)
+    checkpoint = out / "checkpoint"
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+
+    target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None)
+    cfg.target_layer_ids = list(target.layer_ids)
+    train_set, held_out = load_examples(target.tokenizer, cfg.data, cfg.max_length, cfg.holdout)
+
+    if cfg.init_from:
+        drafter = DSparkDrafter.load(cfg.init_from, target).float()
+        drafter.config.num_anchors = cfg.num_anchors
+    else:
+        drafter = DSparkDrafter.for_target(target, cfg.drafter_config()).float()
+        if cfg.init_target_layers:
+            drafter.init_from_target_layers(target.model)
+        if cfg.draft_vocab_size:
+            d2t, coverage = draft_vocabulary(train_set, cfg.draft_vocab_size, target.vocab_size)
+            drafter.set_draft_vocab(d2t)
+            if rank == 0:
+                print(f"dspark: draft vocabulary of {cfg.draft_vocab_size} covers {coverage:.1%} of answer tokens")
+    drafter.train()
+
+    source = OnlineFeatures(target, cfg.target_topk)
+    if cfg.feature_cache:
+        cache = Path(cfg.feature_cache)
+        if rank == 0 and not (cache / "index.json").exists():
+            build_feature_cache(cache, target, train_set, cfg.target_topk)
+        barrier()
+        source = CachedFeatures(cache)
+        source.check(train_set, target.identity())
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    model = DDP(drafter, broadcast_buffers=False) if world > 1 else drafter
+
+    steps_per_epoch = max(1, len(epoch_batches(train_set, cfg.batch_size, 0, cfg.seed)) // (world * cfg.grad_accum))
+    total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.epochs * steps_per_epoch))
+    loop = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "tokens": 0}
+    if resume:
+        if not (checkpoint / "trainer_state.json").exists():
+            raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
+        loop = load_checkpoint(checkpoint, drafter, optimizer)
+        torch.manual_seed(cfg.seed + rank + 7919 * loop["step"])
+    anchor_gen = torch.Generator().manual_seed(cfg.seed * 7 + rank + 104729 * loop["step"])
+
+    metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
+    bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
+               dynamic_ncols=True)
+    start = time.perf_counter() - loop["seconds"]
+    batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
+    last = {}
+    while loop["step"] < total:
+        optimizer.zero_grad(set_to_none=True)
+        micro = []
+        for _ in range(cfg.grad_accum):
+            if loop["batch"] + world > len(batches):
+                loop["epoch"] += 1
+                loop["batch"] = 0
+                batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
+            micro.append([train_set[i] for i in batches[loop["batch"] + rank]])
+            loop["batch"] += world
+        # Each micro-batch's loss is a weighted mean over every supervised position of the whole step, all ranks.
+        prepared = [source(m) for m in micro]
+        plans = [plan_blocks(b, cfg, anchor_gen) for b in prepared]
+        denominator = all_sum(sum(p.weights.sum() for p in plans))
+        step_metrics = {}
+        for batch, plan in zip(prepared, plans):
+            loss, metrics = block_loss(model, batch, plan, cfg, denominator)
+            (loss * world).backward()  # DDP averages gradients over ranks; the denominator is already global
+            for k, v in metrics.items():
+                step_metrics[k] = step_metrics.get(k, 0.0) + v
+            loop["tokens"] += int(batch.loss_mask.sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+        lr = lr_at(loop["step"], total, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        loop["step"] += 1
+        loop["seconds"] = time.perf_counter() - start
+        last = {"step": loop["step"], "epoch": loop["epoch"], "lr": lr, "grad_norm": float(grad_norm),
+                "seconds": round(loop["seconds"], 1), "tokens": loop["tokens"] * world, **step_metrics}
+        bar.update(1)
+        bar.set_postfix({k: f"{v:.3f}" for k, v in step_metrics.items()})
+        due_eval = loop["step"] % cfg.eval_every == 0 or loop["step"] == total
+        if due_eval and rank == 0 and held_out:
+            last.update(evaluate(drafter, OnlineFeatures(target, 0), held_out[:64], cfg, cfg.batch_size))
+            bar.write(json.dumps({k: last[k] for k in ("step", "tau_greedy", "accept_by_position") if k in last}))
+        if rank == 0:
+            metrics_file.write(json.dumps(last) + "\n")
+            metrics_file.flush()
+        if loop["step"] % cfg.save_every == 0 or loop["step"] == total:
+            if rank == 0:
+                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg)
+            barrier()
+    bar.close()
+    if metrics_file:
+        metrics_file.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return last

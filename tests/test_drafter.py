@@ -1,0 +1,184 @@
+"""The drafter: config validation, block visibility, head formulas, train/inference agreement, checkpoints."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dspark.decoding.sampling import SamplingParams
+from dspark.drafter import DSparkConfig, DSparkDrafter
+from dspark.drafter.heads import ConfidenceHead, GatedMarkovHead, RNNHead, VanillaMarkovHead
+from dspark.errors import DSparkError
+
+HEADS = ["vanilla", "gated", "rnn"]
+
+
+@pytest.mark.parametrize(
+    "fields, field",
+    [
+        (dict(markov_rank=-1), "markov_rank"),
+        (dict(markov_head_type="lstm"), "markov_head_type"),
+        (dict(markov_rank=0, confidence_head_with_markov=True), "confidence_head_with_markov"),
+        (dict(target_layer_ids=[0, 3]), "target_layer_ids"),  # 3 is the last of 4 layers
+        (dict(target_layer_ids=[7]), "target_layer_ids"),
+        (dict(mask_token_id=97), "mask_token_id"),
+        (dict(block_size=0), "block_size"),
+        (dict(draft_vocab_size=1000), "draft_vocab_size"),
+    ],
+)
+def test_invalid_config_names_the_field(fields, field):
+    base = dict(target_layer_ids=[0, 2], mask_token_id=96)
+    base.update(fields)
+    with pytest.raises(DSparkError, match=f"DSparkConfig.{field}"):
+        DSparkConfig(**base).validate(num_target_layers=4, vocab_size=97)
+
+
+def _teacher_forced(drafter, features, ids, anchor):
+    return drafter(features, ids, torch.tensor([[anchor]]))
+
+
+@pytest.mark.parametrize("head", HEADS)
+@pytest.mark.parametrize("draft_vocab", [0, 40])
+def test_train_forward_equals_propose(target, head, draft_vocab):
+    drafter = tiny_drafter(target, markov_head_type=head, draft_vocab_size=draft_vocab)
+    if draft_vocab:
+        drafter.set_draft_vocab(torch.randperm(97)[:draft_vocab].sort().values)
+    ids = torch.randint(0, 90, (1, 24))
+    features = torch.randn(1, 24, 64)
+    anchor = 11
+    cache = drafter.new_cache(1)
+    drafter.extend_context(cache, features[:, :anchor], torch.tensor([anchor]))
+    params = SamplingParams(temperature=1.0, seed=0)
+    proposal = drafter.propose(cache, ids[:, anchor], params, params.generators(1))
+    # Teacher-force the sampled tokens: the training forward must then give the very distributions sampled from.
+    forced = ids.clone()
+    forced[0, anchor + 1 : anchor + 1 + drafter.block_size] = proposal.tokens[0]
+    out = _teacher_forced(drafter, features, forced, anchor)
+    probs = torch.softmax(out.logits[0, 0], dim=-1)
+    if draft_vocab:
+        probs = torch.zeros(drafter.block_size, 97).index_copy(1, drafter.d2t, probs)
+    torch.testing.assert_close(probs, proposal.probs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.confidence_logits[0, 0], proposal.confidence_logits[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out.labels[0, 0], proposal.tokens[0])
+
+
+def test_block_never_sees_context_at_or_after_its_anchor(target):
+    drafter = tiny_drafter(target, markov_head_type="rnn")
+    ids = torch.randint(0, 90, (1, 30))
+    features = torch.randn(1, 30, 64)
+    anchors = torch.tensor([[4, 12, 20]])
+    base = drafter(features, ids, anchors).logits
+    for cut in (12, 13, 25):
+        perturbed = features.clone()
+        perturbed[:, cut:] += 5 * torch.randn_like(perturbed[:, cut:])
+        out = drafter(perturbed, ids, anchors).logits
+        for a, anchor in enumerate(anchors[0].tolist()):
+            changed = not torch.allclose(out[0, a], base[0, a])
+            assert changed == (anchor > cut), (cut, anchor)
+
+
+def test_blocks_do_not_see_each_other(target):
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 90, (1, 30))
+    features = torch.randn(1, 30, 64)
+    together = drafter(features, ids, torch.tensor([[5, 15]])).logits
+    alone = drafter(features, ids, torch.tensor([[15]])).logits
+    torch.testing.assert_close(together[:, 1], alone[:, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_rank_zero_is_pure_parallel(target):
+    drafter = tiny_drafter(target, markov_rank=0, confidence_head_with_markov=False)
+    assert drafter.markov_head is None
+    ids = torch.randint(0, 90, (1, 20))
+    features = torch.randn(1, 20, 64)
+    out = drafter(features, ids, torch.tensor([[8]]))
+    ids2 = ids.clone()
+    ids2[0, 9:14] = torch.randint(0, 90, (5,))  # other earlier-position tokens: logits must not move
+    out2 = drafter(features, ids2, torch.tensor([[8]]))
+    torch.testing.assert_close(out.logits, out2.logits)
+
+
+def test_vanilla_head_formula():
+    head = VanillaMarkovHead(vocab_size=5, rank=2, hidden_size=3, draft_vocab_size=4)
+    with torch.no_grad():
+        head.markov_w1.weight.copy_(torch.arange(10.0).view(5, 2))
+        head.markov_w2.weight.copy_(torch.tensor([[1.0, 0], [0, 1], [1, 1], [1, -1]]))
+    bias = head.block(torch.tensor([[3]]), torch.zeros(1, 1, 3))
+    # W1[3] = (6, 7); W2 @ (6, 7) = (6, 7, 13, -1)
+    assert torch.equal(bias[0, 0], torch.tensor([6.0, 7.0, 13.0, -1.0]))
+
+
+def test_gated_head_formula():
+    torch.manual_seed(0)
+    head = GatedMarkovHead(vocab_size=5, rank=2, hidden_size=3, draft_vocab_size=4)
+    h = torch.randn(3)
+    e = head.markov_w1.weight[2]
+    gate = torch.sigmoid(head.gate_proj.weight @ torch.cat([h, e]) + head.gate_proj.bias)
+    expected = head.markov_w2.weight @ (gate * e)
+    torch.testing.assert_close(head.block(torch.tensor([[2]]), h.view(1, 1, 3))[0, 0], expected)
+
+
+def test_rnn_head_formula_two_steps():
+    torch.manual_seed(0)
+    head = RNNHead(vocab_size=5, rank=2, hidden_size=3, draft_vocab_size=4)
+    prev = torch.tensor([[1, 4]])
+    h = torch.randn(1, 2, 3)
+    W, b, W2 = head.joint_proj.weight, head.joint_proj.bias, head.markov_w2.weight
+    s = torch.zeros(2)
+    expected = []
+    for k in range(2):
+        z = torch.cat([s, head.markov_w1.weight[prev[0, k]], h[0, k]])
+        g, c, o = (W @ z + b).chunk(3)
+        s = torch.sigmoid(g) * s + (1 - torch.sigmoid(g)) * torch.tanh(c)
+        expected.append(W2 @ torch.tanh(o))
+    torch.testing.assert_close(head.block(prev, h)[0], torch.stack(expected))
+
+
+def test_confidence_head_formula():
+    torch.manual_seed(0)
+    head = ConfidenceHead(5)
+    h, e = torch.randn(3), torch.randn(2)
+    expected = head.proj.weight[0] @ torch.cat([h, e]) + head.proj.bias[0]
+    torch.testing.assert_close(head(h[None], e[None])[0], expected)
+
+
+def test_checkpoint_round_trip_is_bit_exact(target, tmp_path):
+    drafter = tiny_drafter(target, markov_head_type="gated", draft_vocab_size=30)
+    drafter.set_draft_vocab(torch.arange(60, 90))
+    drafter.save(tmp_path / "d", target.identity())
+    loaded = DSparkDrafter.load(tmp_path / "d", target)
+    a, b = drafter.state_dict(), loaded.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not any("embed" in k or "lm_head" in k for k in a)  # the target's shared weights are not stored
+    meta = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert meta["target"]["fingerprint"] == target.fingerprint
+    assert not list(tmp_path.glob("*.pt")) and not list((tmp_path / "d").glob("*.bin"))
+
+
+def test_checkpoint_for_another_target_is_refused(target, tmp_path):
+    tiny_drafter(target).save(tmp_path / "d", target.identity())
+    other = tiny_target(vocab_size=101)
+    with pytest.raises(DSparkError, match="trained for target"):
+        DSparkDrafter.load(tmp_path / "d", other)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(DSparkError, match="not a drafter checkpoint"):
+        DSparkDrafter.load(tmp_path, tiny_target())
+
+
+@pytest.mark.real
+def test_drafter_on_real_target_config(real_target):
+    drafter = DSparkDrafter.for_target(real_target, DSparkConfig(num_draft_layers=1, markov_rank=16))
+    assert drafter.config.target_layer_ids == [1, 8, 14, 21, 28]
+    token = drafter.config.mask_token_id
+    assert real_target.tokenizer.convert_ids_to_tokens(token) == "<empty_output>"
+    assert drafter.init_from_target_layers(real_target.model) == [29]
+    cache = drafter.new_cache(1)
+    ids = torch.tensor([real_target.encode_chat("Hello there")])
+    feats = real_target.forward_sequences(ids, features=True).features
+    drafter.extend_context(cache, feats, torch.tensor([ids.shape[1]]))
+    proposal = drafter.propose(cache, torch.tensor([42]), SamplingParams())
+    assert proposal.tokens.shape == (1, 7) and proposal.confidence.shape == (1, 7)
+    assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()

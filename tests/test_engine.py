@@ -1,0 +1,193 @@
+"""The speculative engine is lossless: greedy output identical to plain decoding, sampling distribution equal to the
+target's (chi-square), stop tokens and max_new_tokens honoured exactly, for single requests and ragged batches."""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from conftest import tiny_drafter, tiny_target
+from dspark.decoding import verify
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+from dspark.decoding.sampling import SamplingParams
+
+
+def prompts_for(target, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(8, target.vocab_size - 2, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+@pytest.mark.parametrize("gamma", [1, 2, 4, 8])
+def test_greedy_identical_to_plain(head, gamma):
+    target = tiny_target(eos=7, seed=gamma)
+    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=gamma, markov_head_type=head))
+    prompts = prompts_for(target, [6, 1, 13, 4], seed=gamma)
+    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
+    assert [r.token_ids for r in engine.generate(prompts, 30)] == expected  # a ragged batch of 4
+    assert engine.generate(prompts[:1], 30)[0].token_ids == expected[0]  # batch of one
+
+
+def test_greedy_identical_with_reduced_vocab_and_no_heads():
+    target = tiny_target(eos=7)
+    for overrides in (dict(draft_vocab_size=50), dict(markov_rank=0, confidence_head_with_markov=False)):
+        engine = SpeculativeEngine(target, tiny_drafter(target, **overrides))
+        prompts = prompts_for(target, [5, 9, 3])
+        assert [r.token_ids for r in engine.generate(prompts, 25)] == [
+            r.token_ids for r in generate_plain(target, prompts, 25)
+        ]
+
+
+def test_greedy_identical_under_threshold_and_short_policies():
+    target = tiny_target(eos=7)
+    prompts = prompts_for(target, [5, 9, 3])
+    expected = [r.token_ids for r in generate_plain(target, prompts, 25)]
+    for policy in (ConfidenceThreshold(0.5), FixedLength(0), FixedLength(3)):
+        engine = SpeculativeEngine(target, tiny_drafter(target, block_size=6), policy)
+        results = engine.generate(prompts, 25)
+        assert [r.token_ids for r in results] == expected
+        assert all(r.stats.to_dict()["mean_verified"] <= 6 for r in results)
+
+
+class OracleDrafter:
+    """Proposes the reference continuation itself, so every draft is accepted: exercises stops inside blocks."""
+
+    def __init__(self, drafter, reference: list[int]):
+        self.inner, self.reference = drafter, reference
+        self.config, self.block_size = drafter.config, drafter.block_size
+
+    def eval(self):
+        return self
+
+    def new_cache(self, n):
+        return self.inner.new_cache(n)
+
+    def extend_context(self, *args):
+        self.inner.extend_context(*args)
+
+    def propose(self, cache, anchors, sampling, generators=None):
+        proposal = self.inner.propose(cache, anchors, sampling, generators)
+        start = int(cache.lengths[0]) + 1
+        ahead = self.reference[start : start + self.block_size]
+        proposal.tokens[0] = torch.tensor(ahead + [0] * (self.block_size - len(ahead)))
+        return proposal
+
+
+def test_stop_token_inside_an_accepted_block_stops_exactly_there():
+    target = tiny_target(eos=7)
+    prompt = prompts_for(target, [6])[0]
+    free = generate_plain(target, [prompt], 40, stop_token_ids=set())[0].token_ids
+    stop = free[17]  # a token the target emits mid-stream
+    expected = generate_plain(target, [prompt], 40, stop_token_ids={stop})[0].token_ids
+    engine = SpeculativeEngine(target, OracleDrafter(tiny_drafter(target, block_size=7), prompt + free))
+    result = engine.generate([prompt], 40, stop_token_ids={stop})[0]
+    assert result.token_ids == expected and result.token_ids[-1] == stop and result.finish_reason == "stop"
+    assert result.stats.tau > 4  # the oracle's blocks were accepted whole, so the stop fell inside one
+
+
+@pytest.mark.parametrize("limit", [1, 2, 7, 8, 23])
+def test_max_new_tokens_exact(limit):
+    target = tiny_target(eos=7)
+    prompt = prompts_for(target, [6])[0]
+    free = generate_plain(target, [prompt], 40, stop_token_ids=set())[0].token_ids
+    engine = SpeculativeEngine(target, OracleDrafter(tiny_drafter(target, block_size=7), prompt + free))
+    result = engine.generate([prompt], limit, stop_token_ids=set())[0]
+    assert result.token_ids == free[:limit] and result.finish_reason == "length"
+
+
+def exact_distribution(target, prompt, length, params):
+    """P(continuation) for every continuation of `length` tokens, by enumeration over a tiny vocabulary."""
+    from dspark.decoding.sampling import logits_to_probs
+
+    vocab = target.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
+    full = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
+    probs = logits_to_probs(target.forward_sequences(full).logits[:, len(prompt) - 1 : -1], params)
+    return seqs, probs.gather(2, seqs[..., None]).squeeze(-1).prod(dim=1)
+
+
+def sampled_counts(target, drafter, prompt, length, params, n):
+    engine = SpeculativeEngine(target, drafter)
+    results = engine.generate([prompt] * n, length, params, stop_token_ids=set())
+    counts = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    return counts, results
+
+
+def chi_square_p(seqs, probs, counts, n):
+    observed, expected = [], []
+    small_obs, small_exp = 0, 0.0
+    for seq, p in zip(seqs.tolist(), probs.tolist()):
+        o = counts.get(tuple(seq), 0)
+        if p * n < 5:  # pool rare outcomes so the chi-square approximation holds
+            small_obs, small_exp = small_obs + o, small_exp + p * n
+        else:
+            observed.append(o)
+            expected.append(p * n)
+    impossible = sum(counts.get(tuple(seq), 0) for seq, p in zip(seqs.tolist(), probs.tolist()) if p == 0)
+    assert impossible == 0  # top-k / top-p removed them from the target: they must never be generated
+    if small_exp > 0:
+        observed.append(small_obs)
+        expected.append(small_exp)
+    total = sum(expected)
+    return chisquare(observed, [e * n / total for e in expected]).pvalue
+
+
+def peaked_target():
+    """A 6-token target sharp enough that a biased sampler shows: near-uniform q would hide any bias."""
+    target = tiny_target(vocab_size=6, hidden=16, eos=0, seed=3)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(8)
+    return target
+
+
+SAMPLING_CASES = [SamplingParams(temperature=1.0, seed=11), SamplingParams(temperature=0.7, top_k=4, top_p=0.9, seed=5)]
+
+
+@pytest.mark.parametrize("params", SAMPLING_CASES, ids=["t1", "t0.7-topk-topp"])
+def test_sampling_distribution_equals_target(params):
+    target = peaked_target()
+    drafter = tiny_drafter(target, block_size=3, markov_rank=4)
+    prompt = [1, 2, 3]
+    seqs, probs = exact_distribution(target, prompt, 4, params)
+    n = 6000
+    counts, results = sampled_counts(target, drafter, prompt, 4, params, n)
+    accepted = sum(r.stats.tokens - r.stats.rounds for r in results)
+    assert accepted > 0.1 * n  # drafts were accepted: the test exercises acceptance, residual and bonus
+    assert chi_square_p(seqs, probs, counts, n) > 1e-3
+
+
+def test_statistical_test_catches_a_broken_residual(monkeypatch):
+    """The same test must fail for a biased sampler: on rejection, sample from q instead of max(0, q - p)."""
+    monkeypatch.setattr(verify, "residual_distribution", lambda q, p: q)
+    params = SAMPLING_CASES[0]
+    target = peaked_target()
+    drafter = tiny_drafter(target, block_size=3, markov_rank=4)
+    seqs, probs = exact_distribution(target, [1, 2, 3], 4, params)
+    counts, _ = sampled_counts(target, drafter, [1, 2, 3], 4, params, 6000)
+    assert chi_square_p(seqs, probs, counts, 6000) < 1e-6
+
+
+def test_sampling_is_reproducible_with_seed():
+    target = tiny_target(eos=7)
+    engine = SpeculativeEngine(target, tiny_drafter(target))
+    params = SamplingParams(temperature=1.0, seed=42)
+    a = engine.generate(prompts_for(target, [4, 7]), 20, params)
+    b = engine.generate(prompts_for(target, [4, 7]), 20, params)
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+
+
+def test_statistics_are_consistent():
+    target = tiny_target(eos=7)
+    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=4))
+    prompt = prompts_for(target, [5])[0]
+    r = engine.generate([prompt], 30, stop_token_ids=set())[0]
+    s = r.stats.to_dict()
+    assert sum(s["accepted_length_histogram"]) == s["rounds"]
+    assert r.stats.tokens >= len(r.token_ids) - 1  # every output token after the first came from a round
+    assert s["tau"] == pytest.approx(r.stats.tokens / r.stats.rounds)
+    assert len(s["accept_by_position"]) == 4

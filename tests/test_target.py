@@ -1,0 +1,114 @@
+"""Target adapter: captured features, cache rollback and ragged batches, plain decoding as the reference."""
+
+import pytest
+import torch
+
+from conftest import tiny_target
+from dspark.decoding.plain import generate_plain
+from dspark.decoding.sampling import SamplingParams
+from dspark.errors import DSparkError
+from dspark.target import default_layer_ids
+
+
+def test_default_layer_ids_spread_and_skip_last():
+    assert default_layer_ids(30) == [1, 8, 14, 21, 28]
+    assert default_layer_ids(4) == [1, 2]
+    assert all(i < 29 for i in default_layer_ids(30))
+
+
+def test_features_equal_hf_hidden_states(target):
+    ids = torch.randint(0, 90, (2, 13))
+    out = target.forward_sequences(ids, features=True, last_hidden=True)
+    hs = target.model(ids, output_hidden_states=True).hidden_states
+    assert torch.equal(out.features, torch.cat([hs[i + 1] for i in target.layer_ids], dim=-1))
+    assert torch.equal(out.last_hidden, hs[-1])
+
+
+def test_rollback_then_extend_equals_one_forward(target):
+    ids = torch.randint(0, 90, (1, 20))
+    full = target.forward_sequences(ids).logits
+    cache = target.new_cache(1)
+    target.forward(cache, ids[:, :12])
+    target.forward(cache, torch.randint(0, 90, (1, 5)))  # a rejected draft ...
+    cache.rollback(torch.tensor([12]))  # ... rolled back
+    assert cache.kv.get_seq_length() == 12 and cache.slots.is_contiguous()
+    tail = target.forward(cache, ids[:, 12:]).logits
+    torch.testing.assert_close(tail, full[:, 12:], rtol=1e-5, atol=1e-5)
+
+
+def test_ragged_batch_with_holes_matches_each_row_alone(target):
+    prompts = [torch.randint(0, 90, (n,)) for n in (4, 9, 6)]
+    cache = target.new_cache(3)
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    target.forward(cache, ids, torch.tensor([4, 9, 6]))
+    # Each row verifies a different number of junk tokens and keeps a different number of them.
+    junk = torch.randint(0, 90, (3, 4))
+    target.forward(cache, junk, torch.tensor([4, 2, 3]))
+    cache.rollback(cache.lengths - torch.tensor([4, 2, 3]) + torch.tensor([1, 0, 2]))
+    nxt = torch.randint(0, 90, (3, 3))
+    got = target.forward(cache, nxt).logits
+    for i, p in enumerate(prompts):
+        kept = {0: junk[0, :1], 1: junk[1, :0], 2: junk[2, :2]}[i]
+        seq = torch.cat([p, kept, nxt[i]])[None]
+        alone = target.forward_sequences(seq).logits[0, -3:]
+        torch.testing.assert_close(got[i], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_compaction_preserves_results(target):
+    cache = target.new_cache(2)
+    ids = torch.randint(0, 90, (2, 10))
+    target.forward(cache, ids)
+    target.forward(cache, torch.randint(0, 90, (2, 6)))
+    cache.rollback(torch.tensor([16, 10]))  # row 1 keeps holes
+    before = cache.slots.width
+    nxt = torch.randint(0, 90, (2, 2))
+    expected = target.forward(cache, nxt).logits
+    cache.rollback(cache.lengths - 2)
+    cache.compact()
+    assert cache.slots.width == before  # row 0 is full, so the width stays; row 1's holes moved to its end
+    torch.testing.assert_close(target.forward(cache, nxt).logits, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_batch_equals_single_requests():
+    target = tiny_target(eos=7)
+    prompts = [torch.randint(8, 90, (n,)).tolist() for n in (3, 8, 5, 1)]
+    batch = generate_plain(target, prompts, 25)
+    for p, r in zip(prompts, batch):
+        assert r.token_ids == generate_plain(target, [p], 25)[0].token_ids
+    assert all(len(r.token_ids) == 25 or r.token_ids[-1] == 7 for r in batch)
+
+
+def test_plain_sampling_is_reproducible_with_seed(target):
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.9, seed=3)
+    a = generate_plain(target, [[3, 4, 5]], 20, params)[0].token_ids
+    b = generate_plain(target, [[3, 4, 5]], 20, params)[0].token_ids
+    assert a == b
+
+
+def test_bad_requests_are_refused(target):
+    with pytest.raises(DSparkError, match="empty"):
+        generate_plain(target, [[]], 5)
+    with pytest.raises(DSparkError, match="max_new_tokens"):
+        generate_plain(target, [[1, 2]], 0)
+    with pytest.raises(DSparkError, match="target_layer_ids"):
+        target.validate_layer_ids([3])  # the last of 4 layers
+
+
+@pytest.mark.real
+def test_plain_greedy_equals_hf_generate_on_real_target(real_target):
+    prompt = real_target.encode_chat("Write a haiku about the sea")
+    ours = generate_plain(real_target, [prompt], 40)[0].token_ids
+    hf = real_target.model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)
+    assert ours == hf[0, len(prompt):].tolist()[: len(ours)]
+    assert len(ours) == 40 or ours[-1] in real_target.stop_token_ids
+
+
+@pytest.mark.real
+def test_real_target_features_equal_hf(real_target):
+    ids = torch.tensor([real_target.encode_chat("What is the capital of France?")])
+    out = real_target.forward_sequences(ids, features=True)
+    hs = real_target.model(ids, output_hidden_states=True).hidden_states
+    assert real_target.layer_ids == [1, 8, 14, 21, 28]
+    assert torch.equal(out.features, torch.cat([hs[i + 1] for i in real_target.layer_ids], dim=-1))
