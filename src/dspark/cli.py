@@ -291,6 +291,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft-vocab-size", type=int, help="0 = the target's whole vocabulary")
     g.add_argument("--feature-norm", action="store_true", default=None)
     g.add_argument("--target-layer-ids", type=lambda t: [int(x) for x in t.split(",")], help="e.g. 1,8,14,21,28")
+    g.add_argument("--mask-token-id", type=int, help="default: an unused token of the target")
     g.add_argument("--no-init-target-layers", dest="init_target_layers", action="store_false", default=None)
     g.add_argument("--init-from", help="continue training an existing drafter checkpoint")
     g = p.add_argument_group("loss")

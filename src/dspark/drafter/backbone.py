@@ -51,26 +51,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-class FeatureFusion(nn.Module):
-    """ctx = hidden_norm(fc(concat of captured target layers)); optionally each layer RMS-normalised first."""
-
-    def __init__(self, num_features: int, hidden_size: int, norm_cls, eps: float, feature_norm: bool):
-        super().__init__()
-        self.num_features = num_features
-        self.hidden_size = hidden_size
-        self.feature_norm = feature_norm
-        self.fc = nn.Linear(num_features * hidden_size, hidden_size, bias=False)
-        self.hidden_norm = norm_cls(hidden_size, eps=eps)
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        features = features.to(self.fc.weight.dtype)
-        if self.feature_norm:
-            parts = features.unflatten(-1, (self.num_features, self.hidden_size)).float()
-            parts = parts * torch.rsqrt(parts.pow(2).mean(-1, keepdim=True) + 1e-6)
-            features = parts.flatten(-2).to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(features))
-
-
 def _heads(attn, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
     """Project x [B, L, d] to heads [B, H, L, hd], with the family's per-head norm where it has one (Qwen3)."""
     out = proj(x).unflatten(-1, (-1, attn.head_dim))

@@ -77,7 +77,8 @@ def dspark_loss(
             bce = F.binary_cross_entropy_with_logits(confidence_logits.float(), accept.detach(), reduction="none")
             terms["conf"] = (bce * weights).sum() / denom
             loss = loss + alphas.conf * terms["conf"]
-    metrics = {k: float(v) for k, v in terms.items()}
+    metrics = {k: float(v.detach()) for k, v in terms.items()}
+    metrics["loss"] = float(loss.detach())
     if accept is not None:
-        metrics["accept"] = float((accept * (weights > 0)).sum() / (weights > 0).sum().clamp_min(1))
+        metrics["accept"] = float((accept.detach() * (weights > 0)).sum() / (weights > 0).sum().clamp_min(1))
     return loss, metrics

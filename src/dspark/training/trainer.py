@@ -34,7 +34,7 @@ PRESETS = {
     "dspark": dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
                    confidence_head_with_markov=True, ce_weight=0.1, tv_weight=0.9, conf_weight=1.0),
     # The DFlash baseline: same backbone, no sequential or confidence head, cross-entropy only.
-    "dflash": dict(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False,
+    "dflash": dict(markov_rank=0, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False,
                    ce_weight=1.0, tv_weight=0.0, conf_weight=0.0),
 }
 
@@ -56,6 +56,7 @@ class TrainConfig:
     draft_vocab_size: int = 0
     feature_norm: bool = False
     target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = -1  # -1 = an unused token of the target
     init_target_layers: bool = True  # start the backbone from the target's top decoder layers
     init_from: str | None = None  # continue from an existing drafter checkpoint
     # loss (SPEC §3); None = the preset's value
@@ -100,6 +101,7 @@ class TrainConfig:
             markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
             enable_confidence_head=self.enable_confidence_head, confidence_head_with_markov=self.confidence_head_with_markov,
             num_anchors=self.num_anchors, draft_vocab_size=self.draft_vocab_size, feature_norm=self.feature_norm,
+            mask_token_id=self.mask_token_id,
         )
 
     @classmethod
@@ -235,11 +237,13 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig) -> None:
+def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig,
+                    anchor_gen: torch.Generator) -> None:
     """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
     opt = optimizer.state_dict()
     tensors = {f"state.{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     tensors["rng.torch"] = torch.get_rng_state()
+    tensors["rng.anchors"] = anchor_gen.get_state()
     meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
             "train_config": asdict(cfg)}
     with atomic_dir(path) as tmp:
@@ -250,7 +254,7 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
 
 
-def load_checkpoint(path: Path, drafter, optimizer) -> dict:
+def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator) -> dict:
     from safetensors.torch import load_file as load
 
     drafter.load_state_dict(load(str(path / "model.safetensors")))
@@ -263,6 +267,7 @@ def load_checkpoint(path: Path, drafter, optimizer) -> dict:
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
+    anchor_gen.set_state(tensors["rng.anchors"])
     random.setstate(eval(meta["python_rng"], {"__builtins__": {}}))  # tuples of ints only
     return meta["loop"]
 
@@ -323,12 +328,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     steps_per_epoch = max(1, len(epoch_batches(train_set, cfg.batch_size, 0, cfg.seed)) // (world * cfg.grad_accum))
     total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.epochs * steps_per_epoch))
     loop = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "tokens": 0}
+    anchor_gen = torch.Generator().manual_seed(cfg.seed * 7 + rank)
     if resume:
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
-        loop = load_checkpoint(checkpoint, drafter, optimizer)
-        torch.manual_seed(cfg.seed + rank + 7919 * loop["step"])
-    anchor_gen = torch.Generator().manual_seed(cfg.seed * 7 + rank + 104729 * loop["step"])
+        loop = load_checkpoint(checkpoint, drafter, optimizer, anchor_gen)
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
@@ -377,7 +381,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             metrics_file.flush()
         if loop["step"] % cfg.save_every == 0 or loop["step"] == total:
             if rank == 0:
-                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg)
+                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg, anchor_gen)
             barrier()
     bar.close()
     if metrics_file:

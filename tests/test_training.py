@@ -1,0 +1,325 @@
+"""Training: anchors, each loss term by hand, the loop (loss falls, exact resume, DDP), data validation,
+resumable regeneration."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import tiny_target
+from dspark.errors import DSparkError
+from dspark.training import regenerate as regen_mod
+from dspark.training.anchors import block_supervision, position_weights, sample_anchors
+from dspark.training.data import examples_from_record, read_records
+from dspark.training.loss import LossWeights, TargetDist, dspark_loss, l1_distance
+
+
+# ---- anchors ------------------------------------------------------------------------------------------------------
+def test_anchors_lie_where_anchor_and_next_token_are_in_the_mask():
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 0, 0]])
+    anchors, valid = sample_anchors(mask, 10, torch.Generator().manual_seed(0))
+    assert sorted(anchors[valid].tolist()) == [2, 3, 6]
+    assert anchors[valid].tolist() == sorted(anchors[valid].tolist())
+    few, valid_few = sample_anchors(mask, 2, torch.Generator().manual_seed(0))
+    assert few.shape == (1, 2) and valid_few.all() and set(few[0].tolist()) <= {2, 3, 6}
+
+
+def test_block_supervision_is_the_contiguous_in_mask_prefix():
+    mask = torch.tensor([[0, 1, 1, 1, 0, 1, 1]])
+    sup = block_supervision(mask, torch.tensor([[1, 5]]), torch.tensor([[True, True]]), block_size=4)
+    assert sup[0, 0].tolist() == [True, True, False, False]  # labels 2, 3 in mask; 4 is not, so 5 is cut too
+    assert sup[0, 1].tolist() == [True, False, False, False]  # label 6 in mask, 7 is past the end
+
+
+def test_position_weights():
+    assert torch.allclose(position_weights(3, 4.0), torch.tensor([1.0, math.exp(-0.25), math.exp(-0.5)]))
+    assert torch.equal(position_weights(3, 0.0), torch.ones(3))
+
+
+# ---- loss terms by hand -------------------------------------------------------------------------------------------
+def test_each_loss_term_by_hand():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.1, 0.8]]))
+    q = torch.tensor([[0.4, 0.4, 0.2], [0.0, 0.5, 0.5]])
+    labels = torch.tensor([1, 2])
+    conf = torch.tensor([0.0, 2.0])
+    w = torch.tensor([1.0, math.exp(-0.25)])
+    loss, m = dspark_loss(logits, labels, conf, w, TargetDist(q), LossWeights(0.1, 0.9, 1.0))
+    ce = [-math.log(0.3), -math.log(0.8)]
+    l1 = [0.1 + 0.1 + 0.0, 0.1 + 0.4 + 0.3]
+    c_star = [1 - l / 2 for l in l1]
+    sig = [0.5, 1 / (1 + math.exp(-2))]
+    bce = [-(c * math.log(s) + (1 - c) * math.log(1 - s)) for c, s in zip(c_star, sig)]
+    mean = lambda xs: sum(x * float(wi) for x, wi in zip(xs, w)) / float(w.sum())  # noqa: E731
+    assert m["ce"] == pytest.approx(mean(ce), rel=1e-5)
+    assert m["tv"] == pytest.approx(mean(l1), rel=1e-5)
+    assert m["conf"] == pytest.approx(mean(bce), rel=1e-5)
+    assert float(loss) == pytest.approx(0.1 * mean(ce) + 0.9 * mean(l1) + mean(bce), rel=1e-5)
+
+
+def test_masked_positions_carry_no_loss():
+    logits = torch.randn(3, 5)
+    q = torch.softmax(torch.randn(3, 5), -1)
+    w = torch.tensor([1.0, 0.0, 0.5])
+    full, _ = dspark_loss(logits, torch.tensor([0, 1, 2]), None, w, TargetDist(q), LossWeights())
+    logits2 = logits.clone()
+    logits2[1] = torch.randn(5) * 10
+    other, _ = dspark_loss(logits2, torch.tensor([0, 4, 2]), None, w, TargetDist(q), LossWeights())
+    assert float(full) == pytest.approx(float(other))
+
+
+def test_topk_l1_equals_dense_when_the_rest_is_disjoint_and_upper_bounds_it():
+    p = torch.tensor([[0.6, 0.3, 0.1, 0.0, 0.0]])
+    q = torch.tensor([[0.5, 0.2, 0.0, 0.2, 0.1]])
+    dense = l1_distance(p, TargetDist(q), None, None)
+    top2 = l1_distance(p, TargetDist(torch.tensor([[0.5, 0.2]]), torch.tensor([[0, 1]])), None, None)
+    assert float(top2) == pytest.approx(float(dense))  # p's rest {2} and q's rest {3, 4} are disjoint
+    q_overlap = torch.tensor([[0.5, 0.2, 0.3, 0.0, 0.0]])
+    exact = l1_distance(p, TargetDist(q_overlap), None, None)
+    bound = l1_distance(p, TargetDist(torch.tensor([[0.5, 0.2]]), torch.tensor([[0, 1]])), None, None)
+    assert float(bound) >= float(exact) - 1e-6
+
+
+def test_reduced_vocab_counts_unreachable_target_mass():
+    d2t = torch.tensor([0, 2])
+    t2d = torch.tensor([0, -1, 1, -1])
+    p = torch.tensor([[0.7, 0.3]])  # over draft ids (target ids 0 and 2)
+    q = torch.tensor([[0.5, 0.25, 0.25, 0.0]])
+    expected = abs(0.7 - 0.5) + abs(0.3 - 0.25) + 0.25  # target id 1 can never be drafted
+    assert float(l1_distance(p, TargetDist(q), d2t, t2d)) == pytest.approx(expected)
+    sparse = TargetDist(torch.tensor([[0.5, 0.25, 0.25]]), torch.tensor([[0, 1, 2]]))
+    assert float(l1_distance(p, sparse, d2t, t2d)) == pytest.approx(expected)
+
+
+# ---- data ---------------------------------------------------------------------------------------------------------
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}]', "not valid JSON"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "unknown role 'robot'"),
+        ({"messages": [{"role": "user", "content": "  "}]}, "empty"),
+        ({"text": "hi"}, "needs 'messages'"),
+        ({"messages": [{"role": "assistant", "content": "hi"}]}, "no user message"),
+    ],
+)
+def test_bad_lines_are_reported_with_file_and_line(tmp_path, bad, message):
+    good = {"messages": [{"role": "user", "content": "hello"}]}
+    path = write_jsonl(tmp_path / "d.jsonl", [good, good, bad])
+    with pytest.raises(DSparkError, match=f"d.jsonl:3: .*{message}"):
+        read_records(path)
+
+
+def test_prompt_formats(tmp_path):
+    (tmp_path / "p.txt").write_text("first\n\nsecond\n")
+    assert [r["messages"][0]["content"] for r in read_records(tmp_path / "p.txt")] == ["first", "second"]
+    rows = read_records(write_jsonl(tmp_path / "t.jsonl", [{"turns": ["a", "b"]}, {"prompt": "c"}]))
+    assert [m["role"] for m in rows[0]["messages"]] == ["user", "user"]
+
+
+@pytest.mark.real
+def test_loss_mask_covers_assistant_tokens_only(real_target):
+    tok = real_target.tokenizer
+    record = {"messages": [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "Hi there!"}]}
+    (example,) = examples_from_record(tok, record, 512)
+    answer = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+    assert tok.decode(answer).startswith("Hi there!<|im_end|>")
+    assert example.loss_mask[: example.loss_mask.index(1)] == [0] * example.loss_mask.index(1)
+    exact = dict(record, assistant_token_ids=[[1, 2, 3]])
+    (forced,) = examples_from_record(tok, exact, 512)
+    assert forced.input_ids[-3:] == [1, 2, 3] and sum(forced.loss_mask) == 3
+
+
+# ---- regeneration -------------------------------------------------------------------------------------------------
+class CountingTarget:
+    """Wraps a tiny target so that it can encode chat and counts the prompts it answers."""
+
+    def __init__(self, target):
+        self.inner, self.answered = target, 0
+        self.tokenizer = target.tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode_chat(self, messages):
+        self.answered += 1
+        return [3 + len(m["content"]) % 50 for m in messages]
+
+
+def test_regeneration_resumes_without_duplicates_or_losses(tmp_path, monkeypatch):
+    target = CountingTarget(tiny_target(eos=7))
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": "x" * i}] * (1 + i % 2)} for i in range(9)]
+    out = tmp_path / "regen.jsonl"
+    real_stream = regen_mod.stream_plain
+    calls = {"n": 0}
+
+    def crashing_stream(*args, **kwargs):
+        for item in real_stream(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 6:
+                raise KeyboardInterrupt  # killed mid-run
+            yield item
+
+    monkeypatch.setattr(regen_mod, "stream_plain", crashing_stream)
+    with pytest.raises(KeyboardInterrupt):
+        regen_mod.regenerate(target, records, out, max_new_tokens=5, batch_size=3, progress=False)
+    with out.open("a") as f:
+        f.write('{"id": "r8", "messa')  # and a torn last line
+    partial = [json.loads(x)["id"] for x in out.read_text().splitlines()[:-1]]
+    assert 0 < len(partial) < 9
+    monkeypatch.setattr(regen_mod, "stream_plain", real_stream)
+    report = regen_mod.regenerate(target, records, out, max_new_tokens=5, batch_size=3, progress=False)
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in records)  # each once, none lost
+    assert report["skipped_done"] == len(partial)
+    for r in rows:
+        users = sum(m["role"] == "user" for m in r["messages"])
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"] * users
+        assert len(r["assistant_token_ids"]) == users and r["sampling"]["temperature"] == 0.0
+
+
+# ---- the loop (tiny target, real files) -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A tiny peaked random target saved as a real HF folder, and data it regenerated itself (as in real use)."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dspark.target import Target
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    target = tiny_target(vocab_size=64, layers=4, hidden=32, eos=2)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(8)  # peaked, so there is something to imitate
+    folder = tmp / "tiny-target"
+    target.model.save_pretrained(folder)
+    tk = Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t2", bos_token="t1", unk_token="t0")
+    hf_tok.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+    hf_tok.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"id": f"x{i}", "messages": [{"role": "user", "content": " ".join(
+        f"t{int(x)}" for x in torch.randint(5, 60, (6,), generator=g))}]} for i in range(40)]
+    data = tmp / "train.jsonl"
+    regen_mod.regenerate(Target.load(str(folder)), prompts, data, max_new_tokens=30, batch_size=8, progress=False)
+    return folder, data
+
+
+def tiny_config(folder, data, out, **overrides):
+    from dspark.training.trainer import TrainConfig
+
+    fields = dict(data=str(data), out=str(out), model=str(folder), target_dtype="float32", num_draft_layers=1,
+                  markov_rank=8, block_size=4, batch_size=4, num_anchors=16, lr=3e-3, eval_every=1000,
+                  save_every=5, holdout=0.1, bf16=False, max_steps=10, seed=3, target_layer_ids=[0, 2],
+                  mask_token_id=63)
+    fields.update(overrides)
+    return TrainConfig(**fields)
+
+
+def test_a_few_steps_reduce_the_loss(tiny_run, tmp_path):
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    train(tiny_config(folder, data, tmp_path / "run", max_steps=60, save_every=60), progress=False)
+    logs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    first = {k: sum(r[k] for r in logs[:5]) / 5 for k in ("loss", "tv", "ce")}
+    last = {k: sum(r[k] for r in logs[-5:]) / 5 for k in ("loss", "tv", "ce")}
+    # CE is against the sampled labels: it cannot fall below the target's own entropy, so it moves least.
+    assert last["loss"] < 0.8 * first["loss"] and last["tv"] < 0.8 * first["tv"] and last["ce"] < 0.9 * first["ce"]
+
+
+def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    train(tiny_config(folder, data, tmp_path / "full", max_steps=10), progress=False)
+    # The same run, stopped after its step-5 checkpoint (as a kill would leave it), then resumed.
+    cfg = tiny_config(folder, data, tmp_path / "cut", max_steps=10)
+    cfg_short = tiny_config(folder, data, tmp_path / "cut", max_steps=10)
+    import dspark.training.trainer as trainer_mod
+
+    original = trainer_mod.save_checkpoint
+    calls = {"n": 0}
+
+    def save_then_die(*args, **kwargs):
+        original(*args, **kwargs)
+        calls["n"] += 1
+        raise KeyboardInterrupt
+
+    trainer_mod.save_checkpoint = save_then_die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            train(cfg_short, progress=False)
+    finally:
+        trainer_mod.save_checkpoint = original
+    assert json.loads((tmp_path / "cut" / "checkpoint" / "trainer_state.json").read_text())["loop"]["step"] == 5
+    train(cfg, resume=True, progress=False)
+    a = load_file(str(tmp_path / "full" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "cut" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+    oa = load_file(str(tmp_path / "full" / "checkpoint" / "trainer_state.safetensors"))
+    ob = load_file(str(tmp_path / "cut" / "checkpoint" / "trainer_state.safetensors"))
+    assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
+
+
+def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.drafter import DSparkDrafter
+    from dspark.target import Target
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    train(tiny_config(folder, data, tmp_path / "run", max_steps=5), progress=False)
+    target = Target.load(str(folder))
+    drafter = DSparkDrafter.load(tmp_path / "run" / "checkpoint", target)
+    prompts = [[1, 7, 9, 3, 1], [1, 44, 3, 1]]
+    expected = [r.token_ids for r in generate_plain(target, prompts, 20)]
+    assert [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, 20)] == expected
+
+
+def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, tmp_path):
+    from dspark.drafter import DSparkDrafter
+    from dspark.target import Target
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    online = train(tiny_config(folder, data, tmp_path / "online", max_steps=3, target_topk=8), progress=False)
+    cached = train(tiny_config(folder, data, tmp_path / "cached", max_steps=3, target_topk=8,
+                               feature_cache=str(tmp_path / "cache")), progress=False)
+    assert (tmp_path / "cache" / "index.json").exists()
+    assert cached["tv"] == pytest.approx(online["tv"], rel=1e-3)
+    train(tiny_config(folder, data, tmp_path / "dflash", max_steps=3, preset="dflash", markov_rank=None), progress=False)
+    d = DSparkDrafter.load(tmp_path / "dflash" / "checkpoint", Target.load(str(folder)))
+    assert d.markov_head is None and d.confidence_head is None
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes(tiny_run, tmp_path):
+    folder, data = tiny_run
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "-m", "dspark.cli",
+           "train", "--data", str(data), "--out", str(out), "--model", str(folder), "--target-dtype", "float32",
+           "--num-draft-layers", "1", "--markov-rank", "8", "--block-size", "4", "--batch-size", "2", "--max-steps", "4",
+           "--save-every", "2", "--target-layer-ids", "0,2", "--mask-token-id", "63", "--no-bf16", "--quiet", "--threads", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dspark.drafter import DSparkDrafter
+    from dspark.target import Target
+
+    DSparkDrafter.load(out / "checkpoint", Target.load(str(folder)))
+    state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+    assert state["loop"]["step"] == 4
