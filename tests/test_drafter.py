@@ -182,3 +182,23 @@ def test_drafter_on_real_target_config(real_target):
     proposal = drafter.propose(cache, torch.tensor([42]), SamplingParams())
     assert proposal.tokens.shape == (1, 7) and proposal.confidence.shape == (1, 7)
     assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()
+
+
+def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
+    """Training-time test must compute what autoregressive drafting computes, step for step (teacher forced)."""
+    drafter = tiny_drafter(target, architecture="eagle3", block_size=4, num_draft_layers=1, markov_rank=0,
+                           enable_confidence_head=False, confidence_head_with_markov=False)
+    ids = torch.randint(0, 90, (1, 20))
+    features = torch.randn(1, 20, 64)
+    anchor = 9
+    cache = drafter.new_cache(1)
+    following = torch.cat([ids[:, 1 : anchor + 1]], dim=1)
+    drafter.extend_context(cache, features[:, :anchor], torch.tensor([anchor]), following)
+    params = SamplingParams(temperature=1.0, seed=0)
+    proposal = drafter.propose(cache, ids[:, anchor], params, params.generators(1))
+    forced = ids.clone()
+    forced[0, anchor + 1 : anchor + 5] = proposal.tokens[0]
+    out = drafter(features, forced, torch.tensor([[anchor]]))
+    torch.testing.assert_close(torch.softmax(out.logits[0, 0], -1), proposal.probs[0], rtol=1e-4, atol=1e-5)
+    drafter.save(tmp_path / "e", target.identity())
+    assert type(DSparkDrafter.load(tmp_path / "e", target)).__name__ == "EagleDrafter"

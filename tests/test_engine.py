@@ -191,3 +191,16 @@ def test_statistics_are_consistent():
     assert r.stats.tokens >= len(r.token_ids) - 1  # every output token after the first came from a round
     assert s["tau"] == pytest.approx(r.stats.tokens / r.stats.rounds)
     assert len(s["accept_by_position"]) == 4
+
+
+@pytest.mark.parametrize("preset_gamma", [7, 1], ids=["eagle3", "mtp1"])
+def test_eagle_and_mtp_baselines_are_lossless(preset_gamma):
+    target = tiny_target(eos=7)
+    drafter = tiny_drafter(target, architecture="eagle3", block_size=preset_gamma, num_draft_layers=1, markov_rank=0,
+                           enable_confidence_head=False, confidence_head_with_markov=False)
+    engine = SpeculativeEngine(target, drafter)
+    prompts = prompts_for(target, [6, 1, 13, 4])
+    assert [r.token_ids for r in engine.generate(prompts, 30)] == [r.token_ids for r in generate_plain(target, prompts, 30)]
+    params = SamplingParams(temperature=1.0, seed=9)
+    sampled = engine.generate(prompts, 20, params)
+    assert all(len(r.token_ids) == 20 or r.token_ids[-1] == 7 for r in sampled)

@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--model", help="target (known name or HF folder)")
     p.add_argument("--target-dtype", choices=["float32", "bfloat16"])
-    p.add_argument("--preset", choices=["dspark", "dflash"])
+    p.add_argument("--preset", choices=["dspark", "dflash", "eagle3", "mtp1"])
     g = p.add_argument_group("drafter")
     g.add_argument("--block-size", type=positive_int)
     g.add_argument("--num-draft-layers", type=positive_int)

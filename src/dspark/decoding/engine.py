@@ -50,8 +50,8 @@ class SpeculativeEngine:
         tcache, dcache = target.new_cache(len(prompts)), drafter.new_cache(len(prompts))
         ids, lengths = pad_prompts(prompts, device)
         out = target.forward(tcache, ids, lengths, logits="last", features=True)
-        drafter.extend_context(dcache, out.features, lengths)
         anchors = next_token(out.logits[:, 0], sampling, generators)
+        drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
         active = list(range(len(prompts)))
         for r, tok in zip(active, anchors.tolist()):
             self._emit(requests[r], [tok], on_tokens)
@@ -85,7 +85,7 @@ class SpeculativeEngine:
                 accepted, anchors = verify_sampling(out.logits, proposal.probs, proposal.tokens, ell, sampling, gens)
             # Keep [x0, x1..x_a] in the target's cache; the drafter's context grows by the same tokens' features.
             tcache.rollback(tcache.lengths - (ell + 1) + (accepted + 1))
-            drafter.extend_context(dcache, out.features, accepted + 1)
+            drafter.extend_context(dcache, out.features, accepted + 1, following(verify_ids, accepted, anchors))
             t2 = time.perf_counter()
 
             drafts, acc, nxt, ells = proposal.tokens.tolist(), accepted.tolist(), anchors.tolist(), ell.tolist()
@@ -103,3 +103,10 @@ class SpeculativeEngine:
         taken = request.commit(tokens)
         if on_tokens and taken:
             on_tokens(request.index, taken)
+
+
+def following(ids: torch.Tensor, last: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+    """The token after each position of ids [B, n]: ids shifted left, with row b's position last[b] followed by
+    next_tokens[b] (the new anchor)."""
+    out = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    return out.scatter(1, last[:, None], next_tokens[:, None])

@@ -7,10 +7,12 @@ from dataclasses import asdict, dataclass, field, fields
 from dspark.errors import DSparkError
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
+ARCHITECTURES = ("dspark", "eagle3")
 
 
 @dataclass
 class DSparkConfig:
+    architecture: str = "dspark"  # dspark (parallel block + heads) | eagle3 (autoregressive baseline, SPEC §6)
     block_size: int = 7  # γ: draft positions per block, the anchor slot included
     num_draft_layers: int = 5
     target_layer_ids: list[int] = field(default_factory=list)  # decoder layers whose outputs feed the drafter
@@ -52,6 +54,13 @@ class DSparkConfig:
             bad("mask_token_id", f"{self.mask_token_id} is outside the target vocabulary [0, {vocab_size})")
         if self.num_anchors < 1:
             bad("num_anchors", f"must be >= 1, got {self.num_anchors}")
+        if self.architecture not in ARCHITECTURES:
+            bad("architecture", f"unknown architecture '{self.architecture}'; use one of {', '.join(ARCHITECTURES)}")
+        if self.architecture == "eagle3":
+            if self.num_draft_layers != 1:
+                bad("num_draft_layers", "the eagle3 baseline has exactly one decoder layer")
+            if self.markov_rank or self.enable_confidence_head:
+                bad("markov_rank", "the eagle3 baseline has no sequential or confidence head (rank 0, no confidence)")
         if not 0 <= self.draft_vocab_size <= vocab_size:
             bad("draft_vocab_size", f"must be in [0, {vocab_size}] (0 = full vocabulary), got {self.draft_vocab_size}")
 

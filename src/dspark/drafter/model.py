@@ -45,7 +45,28 @@ class TrainOutput:
 
 
 class DraftCache(KVCache):
-    """The drafter's context: per draft layer, keys/values of the fused target features of accepted tokens."""
+    """The drafter's context: per draft layer, keys/values of the fused target features of accepted tokens, plus
+    any per-row tensors a drafter keeps between rounds (`row_state`, kept in step with the rows)."""
+
+    def __init__(self, batch_size: int, device="cpu"):
+        super().__init__(batch_size, device)
+        self.row_state: dict[str, torch.Tensor] = {}
+
+    def select(self, rows: torch.Tensor) -> None:
+        super().select(rows)
+        self.row_state = {k: v[rows] for k, v in self.row_state.items()}
+
+    def merge(self, other: DraftCache) -> None:
+        super().merge(other)
+        self.row_state = {k: torch.cat([v, other.row_state[k]]) for k, v in self.row_state.items()} or other.row_state
+
+
+def drafter_class(architecture: str):
+    if architecture == "eagle3":
+        from dspark.drafter.eagle import EagleDrafter
+
+        return EagleDrafter
+    return DSparkDrafter
 
 
 class DSparkDrafter(nn.Module):
@@ -85,7 +106,7 @@ class DSparkDrafter(nn.Module):
             config.target_layer_ids = list(target.layer_ids)
         if config.mask_token_id < 0:
             config.mask_token_id = target.unused_token_id()
-        return cls(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
+        return drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
 
     def reset_parameters(self) -> None:
         std = getattr(self.target_config, "initializer_range", 0.02)
@@ -218,8 +239,9 @@ class DSparkDrafter(nn.Module):
         return DraftCache(batch_size, self.lm_head_weight.device)
 
     @torch.no_grad()
-    def extend_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor) -> None:
-        """Append the target features of newly accepted tokens ([B, n, F], first num_new[b] real) to the context."""
+    def extend_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor, next_ids=None) -> None:
+        """Append the target features of newly accepted tokens ([B, n, F], first num_new[b] real) to the context.
+        next_ids [B, n] (the token after each new position) is for drafters that read it (EAGLE); DSpark does not."""
         positions = cache.slots.append(num_new, features.shape[1])
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
             cache.kv.update(k, v, i)
@@ -233,8 +255,7 @@ class DSparkDrafter(nn.Module):
         generators: list[torch.Generator] | None = None,
     ) -> Proposal:
         """Draft γ tokens after each anchor [B]: one backbone pass, then the sequential head left to right."""
-        batch = anchor_ids.shape[0]
-        gamma = self.block_size
+        batch, gamma = anchor_ids.shape[0], self.block_size
         positions = cache.lengths[:, None] + torch.arange(gamma, device=anchor_ids.device)
         ctx_live = (cache.slots.pos >= 0)[:, None, :].expand(-1, gamma, -1)
         mask = torch.cat([ctx_live, ctx_live.new_ones(batch, gamma, gamma)], dim=2)[:, None]
@@ -260,13 +281,16 @@ class DSparkDrafter(nn.Module):
                 probs.append(p)
             prev = draft if self.d2t is None else self.d2t[draft]
             tokens.append(prev)
-        full_probs = None
-        if probs:
-            full_probs = torch.stack(probs, dim=1)
-            if self.d2t is not None:
-                scattered = full_probs.new_zeros(batch, gamma, self.lm_head_weight.shape[0])
-                full_probs = scattered.index_copy_(2, self.d2t, full_probs)
-        return Proposal(torch.stack(tokens, dim=1), full_probs, torch.stack(conf, dim=1) if conf else None)
+        return Proposal(torch.stack(tokens, dim=1), self.full_vocab_probs(probs), torch.stack(conf, dim=1) if conf else None)
+
+    def full_vocab_probs(self, probs: list[torch.Tensor]) -> torch.Tensor | None:
+        """Per-position draft distributions [B, γ, V] over the target's vocabulary (None when greedy)."""
+        if not probs:
+            return None
+        stacked = torch.stack(probs, dim=1)
+        if self.d2t is None:
+            return stacked
+        return stacked.new_zeros(*stacked.shape[:2], self.lm_head_weight.shape[0]).index_copy_(2, self.d2t, stacked)
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save(self, path: str | Path, target_identity: dict, extra: dict | None = None, dtype=None) -> None:
@@ -290,9 +314,8 @@ class DSparkDrafter(nn.Module):
                 f"(fingerprint {want}), but the loaded target '{target.name}' has fingerprint {have}. "
                 "Load the target it was trained for, or train a drafter for this one (`dspark train`)."
             )
-        drafter = cls(
-            DSparkConfig.from_dict(meta["drafter"]), target.config, target.embed_tokens.weight, target.lm_head.weight
-        )
+        config = DSparkConfig.from_dict(meta["drafter"])
+        drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
         state = load_file(str(Path(path) / "model.safetensors"))
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing or unexpected:

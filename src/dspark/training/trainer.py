@@ -29,13 +29,21 @@ from dspark.training.data import Example, examples_from_record, read_records
 from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
 from dspark.training.loss import LossWeights, dspark_loss
 
+_BASELINE = dict(markov_rank=0, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False)
+_EAGLE = dict(_BASELINE, architecture="eagle3", num_draft_layers=1, ce_weight=0.1, tv_weight=0.9, conf_weight=0.0,
+              decay=-1 / math.log(0.8))  # exp(-(k-1)/λ) = 0.8^(k-1): EAGLE-3's per-step decay
 PRESETS = {
     # The paper's drafter: Markov head, confidence head, CE 0.1 + L1 0.9 + confidence 1.0.
-    "dspark": dict(markov_rank=256, markov_head_type="vanilla", enable_confidence_head=True,
-                   confidence_head_with_markov=True, ce_weight=0.1, tv_weight=0.9, conf_weight=1.0),
+    "dspark": dict(architecture="dspark", block_size=7, num_draft_layers=2, markov_rank=256, markov_head_type="vanilla",
+                   enable_confidence_head=True, confidence_head_with_markov=True, ce_weight=0.1, tv_weight=0.9,
+                   conf_weight=1.0, decay=4.0),
     # The DFlash baseline: same backbone, no sequential or confidence head, cross-entropy only.
-    "dflash": dict(markov_rank=0, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False,
-                   ce_weight=1.0, tv_weight=0.0, conf_weight=0.0),
+    "dflash": dict(_BASELINE, architecture="dspark", block_size=7, num_draft_layers=2, ce_weight=1.0, tv_weight=0.0,
+                   conf_weight=0.0, decay=4.0),
+    # EAGLE-3-style autoregressive drafter trained with training-time test over γ steps (SPEC §6).
+    "eagle3": dict(_EAGLE, block_size=7),
+    # MTP-1: one draft token per round.
+    "mtp1": dict(_EAGLE, block_size=1),
 }
 
 
@@ -47,8 +55,9 @@ class TrainConfig:
     target_dtype: str = "bfloat16"
     preset: str = "dspark"
     # drafter (SPEC §2); None = the preset's value
-    block_size: int = 7
-    num_draft_layers: int = 2
+    architecture: str | None = None
+    block_size: int | None = None
+    num_draft_layers: int | None = None
     markov_rank: int | None = None
     markov_head_type: str | None = None
     enable_confidence_head: bool | None = None
@@ -63,7 +72,7 @@ class TrainConfig:
     ce_weight: float | None = None
     tv_weight: float | None = None
     conf_weight: float | None = None
-    decay: float = 4.0
+    decay: float | None = None
     target_topk: int = 0  # 0 = the target's full distribution
     num_anchors: int = 64
     max_length: int = 1024
@@ -97,7 +106,7 @@ class TrainConfig:
 
     def drafter_config(self) -> DSparkConfig:
         return DSparkConfig(
-            block_size=self.block_size, num_draft_layers=self.num_draft_layers, target_layer_ids=list(self.target_layer_ids),
+            architecture=self.architecture, block_size=self.block_size, num_draft_layers=self.num_draft_layers, target_layer_ids=list(self.target_layer_ids),
             markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
             enable_confidence_head=self.enable_confidence_head, confidence_head_with_markov=self.confidence_head_with_markov,
             num_anchors=self.num_anchors, draft_vocab_size=self.draft_vocab_size, feature_norm=self.feature_norm,
