@@ -180,6 +180,42 @@ def cmd_demo(args) -> int:
     return 0 if all(r.identical for r in rows) or args.dtype != "float32" else 1
 
 
+def cmd_bench(args) -> int:
+    import os
+    import shlex
+    from pathlib import Path
+
+    from dspark.bench.demo import shipped_drafter
+    from dspark.bench.report import markdown_section, plots, write_section
+    from dspark.bench.run import BenchConfig, run_bench
+    from dspark.fsutil import atomic_write_json
+
+    setup_torch(args)
+    drafters = {}
+    for item in args.drafter or [f"dspark={shipped_drafter(args.model)}"]:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise DSparkError(f"--drafter takes LABEL=PATH (e.g. dspark=runs/drafter/checkpoint), got '{item}'")
+        drafters[label] = path
+    cfg = BenchConfig(model=args.model, datasets=args.datasets, prompts_per_set=args.prompts_per_set,
+                      max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, dtypes=args.dtypes,
+                      drafters=drafters, peers=args.peers, seed=args.seed)
+    run = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    command = env + "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    run["command"] = command
+    atomic_write_json(out / f"{args.name}.json", run)
+    markdown = Path(args.markdown)
+    pngs = plots(run, out, args.name)
+    rel = {k: os.path.relpath(v, markdown.parent) for k, v in pngs.items()}
+    write_section(markdown, args.name, markdown_section(run, args.name, command, rel))
+    print(f"dspark: wrote {out / (args.name + '.json')}, {len(pngs)} plots and section '{args.name}' of {markdown}",
+          file=sys.stderr)
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
@@ -255,6 +291,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-set", type=positive_int, default=1)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("bench", help="τ, speed, agreement and memory of every method, side by side")
+    p.add_argument("--model", default=__import__("dspark.models", fromlist=["x"]).DEFAULT_TARGET)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"],
+                   help="evaluation set names or JSONL paths of {\"turns\": [...]} records")
+    p.add_argument("--prompts-per-set", type=positive_int, default=3)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    p.add_argument("--drafter", action="append", help="LABEL=PATH, repeatable (default: dspark=<shipped drafter>)")
+    p.add_argument("--peers", nargs="*", default=["hf", "hf-lookup"], choices=["hf", "hf-lookup"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="quick", help="name of the result files and of the BENCHMARKS.md section")
+    p.add_argument("--out", default="bench", help="folder for the JSON result and the plots")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")

@@ -256,7 +256,7 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
     meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
             "train_config": asdict(cfg)}
     with atomic_dir(path) as tmp:
-        drafter.save(tmp / "drafter", target_identity, extra={"training": asdict(cfg)})
+        drafter.save(tmp / "drafter", target_identity, extra={"training": asdict(cfg), "progress": state})
         for name in ("config.json", "model.safetensors"):  # the checkpoint folder itself loads as a drafter
             os.link(tmp / "drafter" / name, tmp / name)
         save_file(tensors, str(tmp / "trainer_state.safetensors"))

@@ -1,0 +1,197 @@
+"""Readable output of a benchmark run: a BENCHMARKS.md section (tables, goals, profile) and PNG plots."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+from dspark.fsutil import atomic_write_text
+
+PEER_LABELS = {"plain": "dspark plain (reference)", "hf": "HF generate", "hf-lookup": "HF prompt lookup"}
+SPEED_GOAL_SETS = ("humaneval", "gsm8k", "mt-bench")
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def _by(results, *keys):
+    out = defaultdict(list)
+    for r in results:
+        out[tuple(r[k] for k in keys)].append(r)
+    return out
+
+
+def merged_accept(rows) -> list[float | None]:
+    """Acceptance by position over datasets, weighted by rounds (an approximation of the pooled rate)."""
+    width = max(len(r["accept_by_position"]) for r in rows)
+    out = []
+    for k in range(width):
+        pairs = [(r["accept_by_position"][k], r["rounds"]) for r in rows if k < len(r["accept_by_position"])
+                 and r["accept_by_position"][k] is not None]
+        out.append(sum(a * n for a, n in pairs) / sum(n for _, n in pairs) if pairs else None)
+    return out
+
+
+def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
+    """The issue's goals, checked on greedy results: speed against the best peer, τ against the baselines."""
+    lines = []
+    greedy = [r for r in results if r["temperature"] == 0]
+    if "dspark" in drafter_labels:
+        for ds in SPEED_GOAL_SETS:
+            ours = [r for r in greedy if r["dataset"] == ds and r["method"] == "dspark"]
+            peers = [r for r in greedy if r["dataset"] == ds and r["method"] in ("hf", "hf-lookup")]
+            if not ours or not peers:
+                continue
+            best_ours = max(ours, key=lambda r: r["tokens_per_s"])
+            best_peer = max(peers, key=lambda r: r["tokens_per_s"])
+            ratio = best_ours["tokens_per_s"] / best_peer["tokens_per_s"]
+            verdict = "met" if ratio >= 1.5 else f"short by {(1.5 - ratio) / 1.5:.0%}"
+            lines.append(f"- {ds}: DSpark {best_ours['tokens_per_s']:.1f} tok/s ({best_ours['dtype']}) vs best peer "
+                         f"{PEER_LABELS[best_peer['method']]} {best_peer['tokens_per_s']:.1f} tok/s ({best_peer['dtype']}): "
+                         f"{ratio:.2f}x (goal 1.5x: {verdict})")
+        for base, goal in (("dflash", 1.15), ("eagle3", 1.25)):
+            if base not in drafter_labels:
+                continue
+            ours = _mean([r.get("tau") for r in greedy if r["method"] == "dspark"])
+            theirs = _mean([r.get("tau") for r in greedy if r["method"] == base])
+            if ours and theirs:
+                ratio = ours / theirs
+                lines.append(f"- τ DSpark / {base} = {ours:.2f} / {theirs:.2f} = {ratio:.2f} (goal ≥ {goal}: "
+                             f"{'met' if ratio >= goal else 'not met'})")
+    return lines
+
+
+def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, str]) -> str:
+    results, cfg, machine = run["results"], run["config"], run["machine"]
+    datasets = cfg["datasets"]
+    drafter_labels = list(run["drafters"])
+    out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", ""]
+    out.append(f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
+               f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
+               f"transformers {machine['transformers']}, dspark {machine['dspark']}. Batch 1, first turn of "
+               f"{cfg['prompts_per_set']} prompts per set, up to {cfg['max_new_tokens']} new tokens, γ from each drafter.")
+    out.append("")
+    if run["drafters"]:
+        out += ["Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
+                "draft vocabulary is reduced; embedding and LM head are otherwise shared):", "",
+                "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | train tokens | train time (s) | steps |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for label, d in run["drafters"].items():
+            out.append(f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
+                       f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {d['train_tokens'] or '–'} | "
+                       f"{d['train_seconds'] or '–'} | {d['train_steps'] or '–'} |")
+        out.append("")
+    for (dtype, temp), rows in _by(results, "dtype", "temperature").items():
+        mode = "greedy" if temp == 0 else f"temperature {temp}"
+        out += [f"### {dtype}, {mode}", ""]
+        methods = list(dict.fromkeys(r["method"] for r in rows))
+        cell = {(r["method"], r["dataset"]): r for r in rows}
+        out.append("| method | " + " | ".join(f"{d} tok/s (× plain)" for d in datasets) + " | τ per set | identical to plain (greedy: must be all) |")
+        out.append("| --- " * (len(datasets) + 3) + "|")
+        for m in methods:
+            cells = [f"{cell[(m, d)]['tokens_per_s']:.1f} ({cell[(m, d)]['speedup_vs_plain']:.2f}x)" if (m, d) in cell else "–"
+                     for d in datasets]
+            taus = " / ".join(_fmt(cell[(m, d)].get("tau")) for d in datasets if (m, d) in cell)
+            same = sum(cell[(m, d)]["identical_to_plain"] for d in datasets if (m, d) in cell)
+            total = sum(cell[(m, d)]["prompts"] for d in datasets if (m, d) in cell)
+            out.append(f"| {PEER_LABELS.get(m, m)} | " + " | ".join(cells) + f" | {taus if m in drafter_labels else '–'} | "
+                       f"{same}/{total} |")
+        out.append("")
+        spec = [m for m in methods if m in drafter_labels]
+        if spec:
+            gamma = max(len(cell[(m, d)]["accept_by_position"]) for m in spec for d in datasets if (m, d) in cell)
+            out += ["Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round:", "",
+                    "| drafter | " + " | ".join(f"k={k + 1}" for k in range(gamma)) + " | draft ms | verify ms | other ms |",
+                    "| --- " * (gamma + 4) + "|"]
+            for m in spec:
+                mrows = [cell[(m, d)] for d in datasets if (m, d) in cell]
+                acc = merged_accept(mrows) + [None] * gamma
+                prof = {k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "other")}
+                out.append(f"| {m} | " + " | ".join(_fmt(a) for a in acc[:gamma]) +
+                           f" | {_fmt(prof['draft'], 1)} | {_fmt(prof['verify'], 1)} | {_fmt(prof['other'], 1)} |")
+            out.append("")
+        out += [f"Memory: target weights {run['target_weights_mb'][dtype]:.0f} MB; peak RSS of the whole process "
+                f"(target, every drafter, Python, caches) {max(r['peak_rss_mb'] for r in rows):.0f} MB.", ""]
+    g = goals(results, drafter_labels)
+    if g:
+        out += ["Goals (greedy, batch 1):", ""] + g + [""]
+    for title, path in plot_paths.items():
+        out.append(f"![{title}]({path})")
+    out.append("")
+    return "\n".join(out)
+
+
+def write_section(markdown_path: Path, name: str, body: str) -> None:
+    """Replace (or append) the section named `name` between its markers, keeping every other section."""
+    begin, end = f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->"
+    block = f"{begin}\n{body}\n{end}"
+    text = markdown_path.read_text() if markdown_path.exists() else "# Benchmarks\n\nWritten by `dspark bench`.\n"
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
+    atomic_write_text(markdown_path, text)
+
+
+def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
+    """Acceptance by position, τ per dataset, speed-up per method: one PNG each (greedy, first dtype)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    results = run["results"]
+    dtype = run["config"]["dtypes"][0]
+    temp = min(run["config"]["temperatures"])
+    rows = [r for r in results if r["dtype"] == dtype and r["temperature"] == temp]
+    datasets = run["config"]["datasets"]
+    drafters = list(run["drafters"])
+    paths = {}
+
+    if drafters:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in drafters:
+            acc = merged_accept([r for r in rows if r["method"] == m])
+            ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=m)
+        ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
+               title=f"Acceptance by position ({dtype}, {'greedy' if temp == 0 else f'T={temp}'})")
+        ax.legend()
+        paths["acceptance by position"] = _save(fig, folder / f"{prefix}-acceptance.png")
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        width = 0.8 / len(drafters)
+        for i, m in enumerate(drafters):
+            taus = [next((r.get("tau") or 0 for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets]
+            ax.bar([j + i * width for j in range(len(datasets))], taus, width, label=m)
+        ax.set_xticks([j + width * (len(drafters) - 1) / 2 for j in range(len(datasets))], datasets)
+        ax.set(ylabel="τ (accepted per round, bonus included)", title="τ per dataset")
+        ax.legend()
+        paths["tau per dataset"] = _save(fig, folder / f"{prefix}-tau.png")
+
+    methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        ups = [next((r["speedup_vs_plain"] for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets]
+        ax.bar([j + i * width for j in range(len(datasets))], ups, width, label=PEER_LABELS.get(m, m))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))], datasets)
+    ax.set(ylabel="tokens/s relative to plain decoding", title=f"Speed-up ({dtype}, batch 1)")
+    ax.legend(fontsize=8)
+    paths["speed-up"] = _save(fig, folder / f"{prefix}-speedup.png")
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

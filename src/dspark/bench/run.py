@@ -1,0 +1,211 @@
+"""`dspark bench`: τ, acceptance, speed, agreement and memory of every decoding method, side by side in one run.
+
+Methods on the same target, prompts and settings: our plain decoding (the reference), Hugging Face `generate`
+(plain) and prompt-lookup decoding (what a CPU user would otherwise pick), and speculative decoding with each
+given drafter. Methods are interleaved prompt by prompt, so drift of this shared machine hits all alike; speed
+comparisons are ratios within the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+
+from dspark.bench.demo import eval_prompts
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.stats import SpecStats, merged
+
+PEERS = ("hf", "hf-lookup")
+
+
+@dataclass
+class BenchConfig:
+    model: str = "smollm2-135m-instruct"
+    datasets: list[str] = field(default_factory=lambda: ["humaneval", "gsm8k", "mt-bench"])
+    prompts_per_set: int = 2
+    max_new_tokens: int = 64
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
+    dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    drafters: dict[str, str] = field(default_factory=dict)  # label -> checkpoint folder
+    peers: list[str] = field(default_factory=lambda: list(PEERS))
+    lookup_tokens: int = 10
+    seed: int = 0
+
+
+class PeakRSS:
+    """Peak resident memory of this process while a block runs, sampled every 10 ms."""
+
+    def __init__(self):
+        self.proc = psutil.Process()
+        self.peak = 0
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor()
+    flags = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not cpu:
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = line.split(":", 1)[1].split()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    import dspark
+
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
+    return {
+        "cpu": cpu, "cores": psutil.cpu_count(logical=True), "torch_threads": torch.get_num_threads(),
+        "cpu_flags": [f for f in wanted if f in flags], "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+        "dspark": dspark.__version__, "platform": platform.platform(),
+    }
+
+
+def weights_mb(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
+    """Bytes held by a module's parameters and buffers (shared target weights excluded by name), in MB."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    return round(sum(t.numel() * t.element_size() for n, t in tensors if n not in skip) / 2**20, 1)
+
+
+def drafter_info(path: str, drafter) -> dict:
+    meta = json.loads((Path(path) / "config.json").read_text())
+    progress = meta.get("progress", {})
+    own = weights_mb(drafter, skip=("embed_weight", "lm_head_weight"))
+    lm_slice = 0.0 if drafter.d2t is None else round(drafter.lm_weight(drafter.fc.weight.dtype).numel() * 4 / 2**20, 1)
+    return {
+        "weights_mb": own, "draft_head_copy_mb": lm_slice,
+        "path": str(path), "architecture": drafter.config.architecture, "block_size": drafter.block_size,
+        "num_draft_layers": drafter.config.num_draft_layers, "markov_rank": drafter.config.markov_rank,
+        "params_millions": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 2),
+        "train_tokens": progress.get("tokens"), "train_seconds": progress.get("seconds"),
+        "train_steps": progress.get("step"), "preset": meta.get("training", {}).get("preset"),
+    }
+
+
+def _hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingParams, lookup: int):
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=target.tokenizer.eos_token_id)
+    if sampling.greedy:
+        kwargs.update(do_sample=False)
+    else:
+        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    if lookup:
+        kwargs.update(prompt_lookup_num_tokens=lookup)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = target.model.generate(torch.tensor([ids]), **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - start
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    """Share of the reference's tokens reproduced before the first divergence."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n / max(1, len(b))
+
+
+def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    from dspark.drafter import DSparkDrafter
+    from dspark.target import Target
+
+    results, drafters_meta, target_mb = [], {}, {}
+    for dtype in cfg.dtypes:
+        target = Target.load(cfg.model, dtype=dtype)
+        target_mb[dtype] = weights_mb(target.model)
+        drafters = {}
+        for label, path in cfg.drafters.items():
+            drafters[label] = DSparkDrafter.load(path, target)
+            drafters_meta[label] = drafter_info(path, drafters[label])
+        engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
+        for temperature in cfg.temperatures:
+            sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
+            methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
+            warm = target.encode_chat("Hi!")
+            for label, engine in engines.items():  # one untimed warm-up per path
+                engine.generate([warm], 4, sampling)
+            generate_plain(target, [warm], 4, sampling)
+            for dataset in cfg.datasets:
+                prompts = [target.encode_chat(p) for p in eval_prompts(dataset, cfg.prompts_per_set)]
+                rows = {m: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "peak_rss": 0} for m in methods}
+                for i, ids in enumerate(prompts):
+                    for m in methods:
+                        with PeakRSS() as rss:
+                            if m == "plain":
+                                r = generate_plain(target, [ids], cfg.max_new_tokens, sampling)[0]
+                                tokens, seconds = r.token_ids, r.seconds
+                            elif m in PEERS:
+                                tokens, seconds = _hf_generate(target, ids, cfg.max_new_tokens, sampling,
+                                                               cfg.lookup_tokens if m == "hf-lookup" else 0)
+                            else:
+                                r = engines[m].generate([ids], cfg.max_new_tokens, sampling)[0]
+                                tokens, seconds = r.token_ids, r.seconds
+                                rows[m]["stats"].append(r.stats)
+                        rows[m]["tokens"] += len(tokens)
+                        rows[m]["seconds"] += seconds
+                        rows[m]["outputs"].append(tokens)
+                        rows[m]["peak_rss"] = max(rows[m]["peak_rss"], rss.peak)
+                reference = rows["plain"]
+                for m in methods:
+                    row = rows[m]
+                    entry = {
+                        "dtype": dtype, "temperature": temperature, "dataset": dataset, "method": m,
+                        "prompts": len(prompts), "tokens": row["tokens"], "seconds": round(row["seconds"], 3),
+                        "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row["seconds"] else 0.0,
+                        "speedup_vs_plain": round((row["tokens"] / row["seconds"]) / (reference["tokens"] / reference["seconds"]), 3),
+                        "identical_to_plain": sum(a == b for a, b in zip(row["outputs"], reference["outputs"])),
+                        "token_agreement": round(sum(_agreement(a, b) for a, b in zip(row["outputs"], reference["outputs"]))
+                                                 / len(prompts), 4),
+                        "peak_rss_mb": round(row["peak_rss"] / 2**20, 1),
+                    }
+                    if row["stats"]:
+                        s: SpecStats = merged(row["stats"])
+                        d = s.to_dict()
+                        other = row["seconds"] - s.draft_seconds - s.verify_seconds
+                        entry.update(tau=d["tau"], accept_by_position=d["accept_by_position"], rounds=d["rounds"],
+                                     mean_verified=d["mean_verified"],
+                                     ms_per_round={"draft": round(1000 * s.draft_seconds / s.rounds, 2),
+                                                   "verify": round(1000 * s.verify_seconds / s.rounds, 2),
+                                                   "other": round(1000 * other / s.rounds, 2)})
+                    results.append(entry)
+                    progress(json.dumps({k: entry[k] for k in ("dtype", "temperature", "dataset", "method",
+                                                                "tokens_per_s", "speedup_vs_plain") if k in entry}
+                                        | ({"tau": entry["tau"]} if "tau" in entry else {})))
+        del target, drafters, engines
+    return {"config": asdict(cfg), "machine": machine_info(), "drafters": drafters_meta, "results": results,
+            "target_weights_mb": target_mb,
+            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "threads": torch.get_num_threads(),
+            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}}
