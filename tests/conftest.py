@@ -62,3 +62,31 @@ def target():
 @pytest.fixture(scope="session")
 def real_target():
     return Target.load("smollm2-135m-instruct", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A tiny peaked random target saved as a real HF folder, and data it regenerated itself (as in real use)."""
+    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from dspark.target import Target
+    from dspark.training.regenerate import regenerate
+
+    tmp = tmp_path_factory.mktemp("tiny")
+    target = tiny_target(vocab_size=64, layers=4, hidden=32, eos=2)
+    with torch.no_grad():
+        target.model.lm_head.weight.mul_(8)  # peaked, so there is something to imitate
+    folder = tmp / "tiny-target"
+    target.model.save_pretrained(folder)
+    tk = Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t2", bos_token="t1", unk_token="t0")
+    hf_tok.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+    hf_tok.save_pretrained(folder)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"id": f"x{i}", "messages": [{"role": "user", "content": " ".join(
+        f"t{int(x)}" for x in torch.randint(5, 60, (6,), generator=g))}]} for i in range(40)]
+    data = tmp / "train.jsonl"
+    regenerate(Target.load(str(folder)), prompts, data, max_new_tokens=30, batch_size=8, progress=False)
+    return folder, data

@@ -216,6 +216,26 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_bench_train(args) -> int:
+    import shlex
+    from pathlib import Path
+
+    from dspark.bench.report import write_section
+    from dspark.bench.training import levers_markdown, time_levers
+    from dspark.fsutil import atomic_write_json
+
+    setup_torch(args)
+    base = dict(markov_rank=args.markov_rank, num_anchors=64, target_dtype="bfloat16")
+    rows = time_levers(args.data, args.model, base, steps=args.steps, batch_size=args.batch_size)
+    command = "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(Path(args.out) / "training-levers.json", {"command": command, "rows": rows})
+    write_section(Path(args.markdown), "training-levers", levers_markdown(rows, command))
+    for r in rows:
+        print(json.dumps(r))
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
@@ -308,6 +328,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench", help="folder for the JSON result and the plots")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("bench-train", help="cost of a training step under each efficiency lever")
+    p.add_argument("--data", required=True, help="regenerated JSONL")
+    p.add_argument("--model", default=__import__("dspark.models", fromlist=["x"]).DEFAULT_TARGET)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--steps", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=4)
+    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--out", default="bench")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_bench_train)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")

@@ -107,15 +107,17 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
         spec = [m for m in methods if m in drafter_labels]
         if spec:
             gamma = max(len(cell[(m, d)]["accept_by_position"]) for m in spec for d in datasets if (m, d) in cell)
-            out += ["Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round:", "",
-                    "| drafter | " + " | ".join(f"k={k + 1}" for k in range(gamma)) + " | draft ms | verify ms | other ms |",
-                    "| --- " * (gamma + 4) + "|"]
+            out += ["Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round (draft = "
+                    "drafter proposal; verify = target forward + acceptance + rollback; context = drafter reading the "
+                    "accepted tokens' features; other = Python bookkeeping; prefill excluded):", "",
+                    "| drafter | " + " | ".join(f"k={k + 1}" for k in range(gamma)) + " | draft ms | verify ms | context ms | other ms |",
+                    "| --- " * (gamma + 5) + "|"]
             for m in spec:
                 mrows = [cell[(m, d)] for d in datasets if (m, d) in cell]
                 acc = merged_accept(mrows) + [None] * gamma
-                prof = {k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "other")}
-                out.append(f"| {m} | " + " | ".join(_fmt(a) for a in acc[:gamma]) +
-                           f" | {_fmt(prof['draft'], 1)} | {_fmt(prof['verify'], 1)} | {_fmt(prof['other'], 1)} |")
+                prof = {k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "context", "other")}
+                out.append(f"| {m} | " + " | ".join(_fmt(a) for a in acc[:gamma]) + " | " +
+                           " | ".join(_fmt(prof[k], 1) for k in ("draft", "verify", "context", "other")) + " |")
             out.append("")
         out += [f"Memory: target weights {run['target_weights_mb'][dtype]:.0f} MB; peak RSS of the whole process "
                 f"(target, every drafter, Python, caches) {max(r['peak_rss_mb'] for r in rows):.0f} MB.", ""]

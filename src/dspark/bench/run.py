@@ -96,7 +96,7 @@ def machine_info() -> dict:
 def weights_mb(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
     """Bytes held by a module's parameters and buffers (shared target weights excluded by name), in MB."""
     tensors = list(module.named_parameters()) + list(module.named_buffers())
-    return round(sum(t.numel() * t.element_size() for n, t in tensors if n not in skip) / 2**20, 1)
+    return round(sum(t.numel() * t.element_size() for n, t in tensors if n not in skip) / 2**20, 3)
 
 
 def drafter_info(path: str, drafter) -> dict:
@@ -194,12 +194,11 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                     if row["stats"]:
                         s: SpecStats = merged(row["stats"])
                         d = s.to_dict()
-                        other = row["seconds"] - s.draft_seconds - s.verify_seconds
+                        parts = {"draft": s.draft_seconds, "verify": s.verify_seconds, "context": s.context_seconds}
+                        parts["other"] = row["seconds"] - s.prefill_seconds - sum(parts.values())
                         entry.update(tau=d["tau"], accept_by_position=d["accept_by_position"], rounds=d["rounds"],
-                                     mean_verified=d["mean_verified"],
-                                     ms_per_round={"draft": round(1000 * s.draft_seconds / s.rounds, 2),
-                                                   "verify": round(1000 * s.verify_seconds / s.rounds, 2),
-                                                   "other": round(1000 * other / s.rounds, 2)})
+                                     mean_verified=d["mean_verified"], prefill_seconds=round(s.prefill_seconds, 3),
+                                     ms_per_round={k: round(1000 * v / s.rounds, 2) for k, v in parts.items()})
                     results.append(entry)
                     progress(json.dumps({k: entry[k] for k in ("dtype", "temperature", "dataset", "method",
                                                                 "tokens_per_s", "speedup_vs_plain") if k in entry}

@@ -53,7 +53,9 @@ class SpeculativeEngine:
         anchors = next_token(out.logits[:, 0], sampling, generators)
         drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
         active = list(range(len(prompts)))
+        prefill = time.perf_counter() - start
         for r, tok in zip(active, anchors.tolist()):
+            stats[r].prefill_seconds = prefill
             self._emit(requests[r], [tok], on_tokens)
 
         while True:
@@ -85,14 +87,17 @@ class SpeculativeEngine:
                 accepted, anchors = verify_sampling(out.logits, proposal.probs, proposal.tokens, ell, sampling, gens)
             # Keep [x0, x1..x_a] in the target's cache; the drafter's context grows by the same tokens' features.
             tcache.rollback(tcache.lengths - (ell + 1) + (accepted + 1))
-            drafter.extend_context(dcache, out.features, accepted + 1, following(verify_ids, accepted, anchors))
             t2 = time.perf_counter()
+            drafter.extend_context(dcache, out.features, accepted + 1, following(verify_ids, accepted, anchors))
+            t3 = time.perf_counter()
 
             drafts, acc, nxt, ells = proposal.tokens.tolist(), accepted.tolist(), anchors.tolist(), ell.tolist()
+            share = 1 / len(active)
             for i, r in enumerate(active):
                 stats[r].record(ells[i], acc[i])
-                stats[r].draft_seconds += (t1 - t0) / len(active)
-                stats[r].verify_seconds += (t2 - t1) / len(active)
+                stats[r].draft_seconds += (t1 - t0) * share
+                stats[r].verify_seconds += (t2 - t1) * share
+                stats[r].context_seconds += (t3 - t2) * share
                 self._emit(requests[r], drafts[i][: acc[i]] + [nxt[i]], on_tokens)
 
         seconds = time.perf_counter() - start

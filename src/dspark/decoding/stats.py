@@ -14,8 +14,10 @@ class SpecStats:
     accepted_hist: list[int] = field(default_factory=list)  # rounds by number of accepted drafts 0..γ
     reached: list[int] = field(default_factory=list)  # position k verified with all before it accepted
     accepted: list[int] = field(default_factory=list)  # ... and accepted
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0  # drafter proposal + verification-length policy
+    verify_seconds: float = 0.0  # target forward over the block + acceptance + cache rollback
+    context_seconds: float = 0.0  # drafter context growing by the accepted tokens' features
 
     def __post_init__(self):
         self.accepted_hist = self.accepted_hist or [0] * (self.gamma + 1)
@@ -37,8 +39,8 @@ class SpecStats:
             out.rounds += s.rounds
             out.tokens += s.tokens
             out.verified_tokens += s.verified_tokens
-            out.draft_seconds += s.draft_seconds
-            out.verify_seconds += s.verify_seconds
+            for name in ("prefill_seconds", "draft_seconds", "verify_seconds", "context_seconds"):
+                setattr(out, name, getattr(out, name) + getattr(s, name))
             for name in ("accepted_hist", "reached", "accepted"):
                 mine, theirs = getattr(out, name), getattr(s, name)
                 for i, v in enumerate(theirs):
@@ -61,8 +63,10 @@ class SpecStats:
             "mean_verified": round(self.verified_tokens / self.rounds, 4) if self.rounds else 0.0,
             "accept_by_position": [None if p is None else round(p, 4) for p in self.accept_by_position()],
             "accepted_length_histogram": list(self.accepted_hist),
+            "prefill_seconds": round(self.prefill_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "verify_seconds": round(self.verify_seconds, 4),
+            "context_seconds": round(self.context_seconds, 4),
         }
 
 

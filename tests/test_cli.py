@@ -1,0 +1,67 @@
+"""The command line on the real target: what a user types, with real processes and exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dspark.drafter import DSparkConfig, DSparkDrafter
+
+pytestmark = pytest.mark.real
+
+
+def dspark(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def untrained_drafter(real_target, tmp_path_factory):
+    path = tmp_path_factory.mktemp("drafter") / "d"
+    DSparkDrafter.for_target(real_target, DSparkConfig(num_draft_layers=1, markov_rank=16)).save(path, real_target.identity())
+    return path
+
+
+def test_generate_json(real_target):
+    proc = dspark("generate", "Write a haiku about the sea", "--max-new-tokens", "8", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["new_tokens"] == 8 and out["text"] and out["tokens_per_s"] > 0 and len(out["token_ids"]) == 8
+
+
+def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter):
+    proc = dspark("generate", "List three prime numbers.", "--max-new-tokens", "24", "--drafter", str(untrained_drafter),
+                  "--compare-plain", "--json")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["identical_to_plain"] is True and out["tau"] >= 1.0 and len(out["accept_by_position"]) == 7
+    assert out["speedup"] > 0 and out["rounds"] >= 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", ""], "prompt is empty"),
+        (["generate", "hi", "--model", "no-such-model"], "unknown model"),
+        (["generate", "hi", "--max-new-tokens", "0"], "must be a positive integer"),
+        (["generate", "hi", "--compare-plain"], "add --drafter"),
+        (["generate", "hi", "--drafter", "/nonexistent"], "not a drafter checkpoint"),
+        (["generate", "hi", "--temperature", "-1"], "temperature must be"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args, message):
+    proc = dspark(*args)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+def test_models_lists_the_default_target():
+    proc = dspark("models", "--json")
+    assert proc.returncode == 0
+    rows = json.loads(proc.stdout)
+    assert rows[0]["name"] == "smollm2-135m-instruct" and rows[0]["provisioned"] is True
+
+
+def test_demo_runs_side_by_side(untrained_drafter):
+    proc = dspark("demo", "--drafter", str(untrained_drafter), "--datasets", "gsm8k", "--max-new-tokens", "12")
+    assert proc.returncode == 0, proc.stderr
+    assert "outputs IDENTICAL" in proc.stdout and "speed-up" in proc.stdout and "mean τ" in proc.stdout
