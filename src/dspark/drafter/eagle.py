@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.decoding.sampling import SamplingParams, logits_to_probs, sample_rows
+from dspark.decoding.sampling import SamplingParams
 from dspark.drafter.backbone import _heads, rotate
 from dspark.drafter.model import DraftCache, DSparkDrafter, Proposal, TrainOutput
 
@@ -96,14 +96,7 @@ class EagleDrafter(DSparkDrafter):
         position = cache.lengths - 1  # the last context entry starts the chain
         tokens, probs, own_k, own_v = [], [], [], []
         for step in range(self.block_size):
-            logits = self.base_logits(self.norm(h))
-            if sampling.greedy:
-                draft = logits.argmax(-1)
-            else:
-                p = logits_to_probs(logits, sampling)
-                draft = sample_rows(p, generators)
-                probs.append(p)
-            draft = draft if self.d2t is None else self.d2t[draft]
+            draft = self.draw(self.base_logits(self.norm(h)), sampling, generators, probs)
             tokens.append(draft)
             if step == self.block_size - 1:
                 break

@@ -273,15 +273,19 @@ class DSparkDrafter(nn.Module):
                 logits = logits + bias.float()
             if self.confidence_head is not None:
                 conf.append(self.confidence_logits(h[:, k], prev))
-            if sampling.greedy:
-                draft = logits.argmax(-1)
-            else:
-                p = logits_to_probs(logits, sampling)
-                draft = sample_rows(p, generators)
-                probs.append(p)
-            prev = draft if self.d2t is None else self.d2t[draft]
+            prev = self.draw(logits, sampling, generators, probs)
             tokens.append(prev)
         return Proposal(torch.stack(tokens, dim=1), self.full_vocab_probs(probs), torch.stack(conf, dim=1) if conf else None)
+
+    def draw(self, logits: torch.Tensor, sampling: SamplingParams, generators, probs: list) -> torch.Tensor:
+        """One draft token per row (target ids): argmax, or a sample whose distribution is appended to `probs`."""
+        if sampling.greedy:
+            draft = logits.argmax(-1)
+        else:
+            p = logits_to_probs(logits, sampling)
+            draft = sample_rows(p, generators)
+            probs.append(p)
+        return draft if self.d2t is None else self.d2t[draft]
 
     def full_vocab_probs(self, probs: list[torch.Tensor]) -> torch.Tensor | None:
         """Per-position draft distributions [B, γ, V] over the target's vocabulary (None when greedy)."""
