@@ -182,6 +182,17 @@ def test_drafter_on_real_target_config(real_target):
     proposal = drafter.propose(cache, torch.tensor([42]), SamplingParams())
     assert proposal.tokens.shape == (1, 7) and proposal.confidence.shape == (1, 7)
     assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()
+    # train forward == propose on the real dimensions (d=576, 5 fused layers, V=49152), teacher-forced
+    with torch.no_grad():
+        for p in drafter.markov_head.parameters():
+            p.normal_(0, 0.05)
+    params = SamplingParams(temperature=1.0, seed=1)
+    sampled = drafter.propose(cache, torch.tensor([42]), params, params.generators(1))
+    n = ids.shape[1]
+    seq = torch.cat([ids[0], torch.tensor([42]), sampled.tokens[0]])[None]
+    full_features = torch.cat([feats, torch.zeros(1, 8, feats.shape[-1])], dim=1)  # after the anchor: never seen
+    out = drafter(full_features, seq, torch.tensor([[n]]))
+    torch.testing.assert_close(torch.softmax(out.logits[0, 0], -1), sampled.probs[0], rtol=1e-3, atol=1e-5)
 
 
 def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):

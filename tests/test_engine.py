@@ -204,3 +204,40 @@ def test_eagle_and_mtp_baselines_are_lossless(preset_gamma):
     params = SamplingParams(temperature=1.0, seed=9)
     sampled = engine.generate(prompts, 20, params)
     assert all(len(r.token_ids) == 20 or r.token_ids[-1] == 7 for r in sampled)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_families_fit_the_design(family):
+    """The target adapter and the drafter are family-agnostic: a Qwen target decodes losslessly the same way."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TinyTokenizer
+    from dspark.target import Target
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
+                                  max_position_embeddings=512)
+    target = Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
+                    layer_ids=[0, 2])
+    drafter = tiny_drafter(target, markov_head_type="gated")
+    if family == "qwen3":
+        assert hasattr(drafter.layers[0].self_attn, "q_norm")  # the family's own per-head norms are in the backbone
+    prompts = prompts_for(target, [5, 9, 2])
+    expected = [r.token_ids for r in generate_plain(target, prompts, 20)]
+    assert [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, 20)] == expected
+
+
+def test_unsupported_family_is_refused_clearly():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TinyTokenizer
+    from dspark.errors import DSparkError
+    from dspark.target import Target
+
+    config = AutoConfig.for_model("gemma2", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    target = Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 1), name="tiny-gemma",
+                    layer_ids=[0, 2])
+    with pytest.raises(DSparkError, match="not supported by the drafter backbone"):
+        tiny_drafter(target)

@@ -236,6 +236,20 @@ def cmd_bench_train(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from dspark.drafter import DSparkDrafter
+    from dspark.drafter.model import read_checkpoint_meta
+    from dspark.target import parse_dtype
+
+    meta = read_checkpoint_meta(args.checkpoint)
+    target = load_target(args)
+    drafter = DSparkDrafter.load(args.checkpoint, target)
+    extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
+    drafter.save(args.out, target.identity(), extra=extra, dtype=parse_dtype(args.dtype))
+    print(f"dspark: wrote {args.out} ({args.dtype})", file=sys.stderr)
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
@@ -340,6 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_train)
 
+    p = sub.add_parser("export", help="write a drafter checkpoint in another precision (e.g. bfloat16 to ship)")
+    p.add_argument("checkpoint")
+    p.add_argument("out")
+    add_target_args(p)
+    p.set_defaults(func=cmd_export)
+
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")
     p.add_argument("--count", type=positive_int, default=10000)
@@ -396,6 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float)
     g.add_argument("--clip", type=float)
     g.add_argument("--no-bf16", dest="bf16", action="store_false", default=None)
+    g.add_argument("--device", help="auto (default: this rank's GPU if CUDA is available, else CPU), cpu, cuda:N")
     g.add_argument("--feature-cache", help="folder for the on-disk target feature cache (built on first use)")
     g.add_argument("--holdout", type=float)
     g.add_argument("--eval-every", type=positive_int)

@@ -63,7 +63,7 @@ class Target:
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None) -> Target:
+    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None, device="cpu") -> Target:
         path = models.resolve(name_or_path)
         try:
             config = AutoConfig.from_pretrained(path)
@@ -84,7 +84,7 @@ class Target:
             raise DSparkError(f"cannot load the model in {path}: {e}") from e
         finally:
             hf_logging.enable_progress_bar()
-        return cls(model, tokenizer, name=name_or_path, layer_ids=layer_ids)
+        return cls(model.to(device), tokenizer, name=name_or_path, layer_ids=layer_ids)
 
     def validate_layer_ids(self, layer_ids: list[int]) -> None:
         for i in layer_ids:

@@ -299,7 +299,7 @@ class DSparkDrafter(nn.Module):
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save(self, path: str | Path, target_identity: dict, extra: dict | None = None, dtype=None) -> None:
         """A folder with config.json and model.safetensors (trainable weights only), written atomically."""
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         meta = {"format": CHECKPOINT_FORMAT, "format_version": 1, "drafter": self.config.to_dict(), "target": target_identity}

@@ -22,7 +22,7 @@ from dspark.training.data import Example
 from dspark.training.loss import TargetDist
 
 
-def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pad_batch(examples: list[Example], device="cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """input_ids [B, L], loss_mask [B, L], lengths [B] (right-padded with id 0 outside the mask)."""
     length = max(len(e) for e in examples)
     ids = torch.zeros(len(examples), length, dtype=torch.long)
@@ -30,7 +30,7 @@ def pad_batch(examples: list[Example]) -> tuple[torch.Tensor, torch.Tensor, torc
     for i, e in enumerate(examples):
         ids[i, : len(e)] = torch.tensor(e.input_ids)
         mask[i, : len(e)] = torch.tensor(e.loss_mask)
-    return ids, mask, torch.tensor([len(e) for e in examples])
+    return ids.to(device), mask.to(device), torch.tensor([len(e) for e in examples], device=device)
 
 
 def distribution(logits: torch.Tensor, topk: int) -> TargetDist:
@@ -60,7 +60,7 @@ class OnlineFeatures:
         self.target, self.topk, self.chunk = target, topk, chunk
 
     def __call__(self, examples: list[Example]) -> TargetBatch:
-        ids, mask, lengths = pad_batch(examples)
+        ids, mask, lengths = pad_batch(examples, self.target.device)
         out = self.target.forward_sequences(ids, lengths, logits=False, features=True, last_hidden=True)
         hidden = out.last_hidden
 
@@ -78,8 +78,9 @@ class OnlineFeatures:
 class CachedFeatures:
     """Features (bf16) and top-K q (fp16 probabilities, int32 ids) of every token, memory-mapped from disk."""
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, device="cpu"):
         folder = Path(folder)
+        self.device = torch.device(device)
         self.index = json.loads((folder / "index.json").read_text())
         total, width, k = self.index["tokens"], self.index["feature_dim"], self.index["topk"]
         self.features = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(total, width))
@@ -103,7 +104,10 @@ class CachedFeatures:
             feats[i, :n] = torch.from_numpy(np.array(self.features[start : start + n])).view(torch.bfloat16)
             q_probs[i, :n] = torch.from_numpy(np.array(self.q_probs[start : start + n])).float()
             q_ids[i, :n] = torch.from_numpy(np.array(self.q_ids[start : start + n])).long()
-        return TargetBatch(ids, mask, feats, lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos]))
+        dev = self.device
+        q_probs, q_ids = q_probs.to(dev), q_ids.to(dev)
+        return TargetBatch(ids.to(dev), mask.to(dev), feats.to(dev),
+                           lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos]))
 
 
 def build_feature_cache(folder: str | Path, target, examples: list[Example], topk: int, batch_size: int = 8) -> None:
@@ -127,10 +131,10 @@ def build_feature_cache(folder: str | Path, target, examples: list[Example], top
             out = target.forward_sequences(ids, lengths, logits=False, features=True, last_hidden=True)
             for j, i in enumerate(order[s : s + batch_size]):
                 a, n = offsets[i]
-                features[a : a + n] = out.features[j, :n].to(torch.bfloat16).view(torch.uint16).numpy()
+                features[a : a + n] = out.features[j, :n].to(torch.bfloat16).view(torch.uint16).cpu().numpy()
                 q = distribution(target.logits_from_hidden(out.last_hidden[j, :n]), topk)
-                q_probs[a : a + n] = q.probs.half().numpy()
-                q_ids[a : a + n] = q.ids.int().numpy()
+                q_probs[a : a + n] = q.probs.half().cpu().numpy()
+                q_ids[a : a + n] = q.ids.int().cpu().numpy()
         for m in (features, q_probs, q_ids):
             m.flush()
         index = {"tokens": total, "feature_dim": width, "topk": topk, "offsets": offsets,

@@ -86,6 +86,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 1.0
     bf16: bool = True  # autocast the drafter (fp32 master weights)
+    device: str = "auto"  # auto = this rank's GPU when CUDA is there, else the CPU
     feature_cache: str | None = None
     holdout: float = 0.02
     eval_every: int = 200
@@ -120,12 +121,19 @@ class TrainConfig:
 
 
 # ---- distributed --------------------------------------------------------------------------------------------------
-def init_distributed() -> tuple[int, int]:
+def init_distributed(device: str) -> tuple[int, int, torch.device]:
+    """(rank, world size, this rank's device): NCCL across GPUs, gloo across CPU processes."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+        return dist.get_rank(), dist.get_world_size(), dev
+    return 0, 1, dev
 
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
@@ -195,14 +203,18 @@ class BlockPlan:
 
 
 def plan_blocks(batch: TargetBatch, cfg: TrainConfig, generator) -> BlockPlan:
-    anchors, valid = sample_anchors(batch.loss_mask, cfg.num_anchors, generator)
-    supervised = block_supervision(batch.loss_mask, anchors, valid, cfg.block_size)
-    return BlockPlan(anchors, supervised, supervised * position_weights(cfg.block_size, cfg.decay))
+    """Anchors are drawn on the CPU (one generator, reproducible anywhere) and moved to the batch's device."""
+    mask = batch.loss_mask.cpu()
+    anchors, valid = sample_anchors(mask, cfg.num_anchors, generator)
+    supervised = block_supervision(mask, anchors, valid, cfg.block_size)
+    weights = supervised * position_weights(cfg.block_size, cfg.decay)
+    dev = batch.loss_mask.device
+    return BlockPlan(anchors.to(dev), supervised.to(dev), weights.to(dev))
 
 
 def block_loss(model, batch: TargetBatch, plan: BlockPlan, cfg: TrainConfig, denominator=None):
     """The drafter over all blocks of the batch, then the loss on supervised positions -> (loss, metrics)."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
         out = model(batch.features, batch.input_ids, plan.anchors)
     sel = plan.supervised.nonzero(as_tuple=True)  # (row, block, k) of every supervised position
     positions = plan.anchors[sel[0], sel[1]] + sel[2]  # q for label k comes from position anchor + k - 1
@@ -225,10 +237,10 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
     g = torch.Generator().manual_seed(1234)
     for s in range(0, len(examples), batch_size):
         batch = source(examples[s : s + batch_size])
-        anchors, valid = sample_anchors(batch.loss_mask, cfg.num_anchors, g)
-        full = block_supervision(batch.loss_mask, anchors, valid, gamma).all(-1)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-            out = drafter(batch.features, batch.input_ids, anchors)
+        plan = plan_blocks(batch, cfg, g)
+        full = plan.supervised.all(-1)
+        with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
+            out = drafter(batch.features, batch.input_ids, plan.anchors)
         guess = out.logits.argmax(-1)
         guess = guess if drafter.d2t is None else drafter.d2t[guess]
         match = (guess == out.labels)[full]
@@ -236,8 +248,8 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
         runs += float(lead.sum())
         blocks += match.shape[0]
         reached = torch.cat([torch.ones_like(lead[:, :1]), lead[:, :-1]], dim=1)
-        accepted_pos += lead.sum(0).float()
-        reached_pos += reached.sum(0).float()
+        accepted_pos += lead.sum(0).float().cpu()
+        reached_pos += reached.sum(0).float().cpu()
     drafter.train()
     if not blocks:
         return {}
@@ -250,7 +262,7 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
                     anchor_gen: torch.Generator) -> None:
     """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
     opt = optimizer.state_dict()
-    tensors = {f"state.{i}.{k}": v.contiguous() for i, s in opt["state"].items() for k, v in s.items()}
+    tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     tensors["rng.torch"] = torch.get_rng_state()
     tensors["rng.anchors"] = anchor_gen.get_state()
     meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
@@ -295,7 +307,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
 
     from dspark.target import Target
 
-    rank, world = init_distributed()
+    rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
     if rank == 0:
@@ -303,7 +315,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
 
-    target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None)
+    target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None, device=device)
     cfg.target_layer_ids = list(target.layer_ids)
     train_set, held_out = load_examples(target.tokenizer, cfg.data, cfg.max_length, cfg.holdout)
 
@@ -319,7 +331,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             drafter.set_draft_vocab(d2t)
             if rank == 0:
                 print(f"dspark: draft vocabulary of {cfg.draft_vocab_size} covers {coverage:.1%} of answer tokens")
-    drafter.train()
+    drafter.to(device).train()
 
     source = OnlineFeatures(target, cfg.target_topk)
     if cfg.feature_cache:
@@ -327,12 +339,13 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if rank == 0 and not (cache / "index.json").exists():
             build_feature_cache(cache, target, train_set, cfg.target_topk)
         barrier()
-        source = CachedFeatures(cache)
+        source = CachedFeatures(cache, device)
         source.check(train_set, target.identity())
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    model = DDP(drafter, broadcast_buffers=False) if world > 1 else drafter
+    ddp_devices = [device] if device.type == "cuda" else None
+    model = DDP(drafter, device_ids=ddp_devices, broadcast_buffers=False) if world > 1 else drafter
 
     steps_per_epoch = max(1, len(epoch_batches(train_set, cfg.batch_size, 0, cfg.seed)) // (world * cfg.grad_accum))
     total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.epochs * steps_per_epoch))
