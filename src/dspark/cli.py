@@ -60,11 +60,30 @@ def load_target(args, layer_ids=None):
 
 
 def build_policy(args):
-    from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+    from dspark.decoding.policy import ConfidenceThreshold, FixedLength, PrefixScheduler
 
+    if getattr(args, "cost_table", None):
+        from dspark.scheduling.profile import CostTable
+
+        temps = None
+        if getattr(args, "calibration", None):
+            from pathlib import Path
+
+            try:
+                temps = json.loads(Path(args.calibration).read_text())["sts_temperatures"]
+            except (OSError, KeyError, json.JSONDecodeError) as e:
+                raise DSparkError(f"--calibration {args.calibration}: not a calibration file ({e}); make one with `dspark calibrate`")
+        return PrefixScheduler(CostTable.load(args.cost_table), temps)
     if getattr(args, "confidence_threshold", None) is not None:
         return ConfidenceThreshold(args.confidence_threshold)
     return FixedLength(getattr(args, "verify_length", None))
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify-length", type=int, default=None, help="verify this many draft tokens per round (default γ)")
+    p.add_argument("--confidence-threshold", type=float, default=None, help="verify up to the first c_k below this")
+    p.add_argument("--cost-table", help="cost table JSON (`dspark profile`): schedule verification lengths (Algorithm 1)")
+    p.add_argument("--calibration", help="STS temperatures JSON (`dspark calibrate`) for the scheduler")
 
 
 class TextStream:
@@ -250,6 +269,56 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_profile(args) -> int:
+    from dspark.scheduling.profile import profile_target
+
+    target = load_target(args)
+    table = profile_target(target, tuple(args.token_counts), args.context, args.repeats)
+    table.save(args.out)
+    for n, t in zip(table.token_counts, table.step_time_ms):
+        print(f"{n:>4} tokens  {t:8.2f} ms  ({t / table.step_time_ms[0]:.2f}x one token)")
+    print(f"dspark: wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    import torch
+
+    from dspark.bench.demo import eval_prompts
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.drafter import DSparkDrafter
+    from dspark.fsutil import atomic_write_json
+    from dspark.scheduling.calibration import Rounds, fit_sts, reliability_plot, report
+    from dspark.training.data import read_records
+
+    target = load_target(args)
+    drafter = DSparkDrafter.load(args.drafter, target)
+    if drafter.confidence_head is None:
+        raise DSparkError(f"{args.drafter} has no confidence head to calibrate")
+    if args.data:
+        texts = [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in read_records(args.data)]
+    else:
+        texts = [t for name in args.datasets for t in eval_prompts(name, args.limit)]
+    texts = texts[: args.limit * max(1, len(args.datasets) if not args.data else 1)]
+    logits, accepted, verified = [], [], []
+    engine = SpeculativeEngine(target, drafter)  # fixed γ: every position is observed
+    engine.generate([target.encode_chat(t) for t in texts], args.max_new_tokens,
+                    on_round=lambda r, c, ell, acc: (logits.append(c.float()), accepted.append(acc), verified.append(ell)))
+    gamma = drafter.block_size
+    k = torch.arange(gamma)
+    rounds = Rounds(torch.stack(logits), torch.tensor(accepted)[:, None] > k, torch.tensor(verified)[:, None] > k)
+    temps = fit_sts(rounds)
+    rows = report(rounds, temps)
+    atomic_write_json(args.out, {"sts_temperatures": temps, "rounds": len(logits), "report": rows,
+                                 "drafter": str(args.drafter), "prompts": len(texts)})
+    if args.plot:
+        reliability_plot(rounds, temps, args.plot)
+    for r in rows:
+        print(json.dumps(r))
+    print(f"dspark: {len(logits)} rounds; STS temperatures {temps}; wrote {args.out}", file=sys.stderr)
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
@@ -312,8 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument("--drafter", help="drafter checkpoint folder: decode speculatively")
-    p.add_argument("--verify-length", type=int, default=None, help="verify this many draft tokens per round (default γ)")
-    p.add_argument("--confidence-threshold", type=float, default=None, help="verify up to the first c_k below this")
+    add_policy_args(p)
     p.add_argument("--compare-plain", action="store_true", help="also run plain decoding; report speed-up and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=cmd_generate)
@@ -359,6 +427,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out")
     add_target_args(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("profile", help="measure the verify cost table SPS(B) of this machine (JSON)")
+    add_target_args(p)
+    p.add_argument("--out", required=True)
+    p.add_argument("--token-counts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
+    p.add_argument("--context", type=positive_int, default=256)
+    p.add_argument("--repeats", type=positive_int, default=7)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("calibrate", help="fit STS temperatures of a drafter's confidence head on real rounds")
+    p.add_argument("--drafter", required=True)
+    add_target_args(p)
+    p.add_argument("--data", help="held-out prompts (messages/turns JSONL or .txt); default: --datasets")
+    p.add_argument("--datasets", nargs="+", default=["mt-bench"], help="evaluation sets to draw prompts from")
+    p.add_argument("--limit", type=positive_int, default=20, help="prompts (per dataset)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--out", required=True)
+    p.add_argument("--plot", help="reliability plot PNG")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")

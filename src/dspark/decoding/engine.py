@@ -38,7 +38,10 @@ class SpeculativeEngine:
         sampling: SamplingParams = SamplingParams(),
         stop_token_ids: set[int] | None = None,
         on_tokens=None,
+        on_round=None,
     ) -> list[GenerationResult]:
+        """on_tokens(request, tokens) streams output; on_round(request, confidence_logits, verified, accepted)
+        sees every round (calibration records them)."""
         target, drafter, device = self.target, self.drafter, self.target.device
         stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
         requests = [RequestState(i, p, max_new_tokens, stop) for i, p in enumerate(prompts)]
@@ -72,7 +75,7 @@ class SpeculativeEngine:
 
             t0 = time.perf_counter()
             proposal = drafter.propose(dcache, anchors, sampling, gens)
-            ell = self.policy.lengths(proposal.confidence, self.gamma, len(active)).to(device)
+            ell = self.policy.lengths(proposal.confidence_logits, self.gamma, len(active)).to(device)
             # Never verify past max_new_tokens: those tokens would be cut anyway.
             room = torch.tensor([requests[r].max_new_tokens - len(requests[r].output) - 1 for r in active], device=device)
             ell = torch.minimum(ell, room.clamp_min(0))
@@ -98,6 +101,8 @@ class SpeculativeEngine:
                 stats[r].draft_seconds += (t1 - t0) * share
                 stats[r].verify_seconds += (t2 - t1) * share
                 stats[r].context_seconds += (t3 - t2) * share
+                if on_round and proposal.confidence_logits is not None:
+                    on_round(r, proposal.confidence_logits[i], ells[i], acc[i])
                 self._emit(requests[r], drafts[i][: acc[i]] + [nxt[i]], on_tokens)
 
         seconds = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Verification-length policies: how many of the γ draft tokens each request sends to the target this round.
 
-A policy sees the round's proposal (its confidences) and returns ℓ_r ∈ [0, γ] per request. The decision for
-position k may depend only on what was drafted before k (a stopping rule), or verification stops being lossless.
+A policy sees the round's confidence logits ([B, γ], None for drafters without a confidence head) and returns
+ℓ_r ∈ [0, γ] per request. The decision for position k may depend only on what was drafted before k (a stopping
+rule), or verification stops being lossless.
 """
 
 from __future__ import annotations
@@ -9,6 +10,15 @@ from __future__ import annotations
 import torch
 
 from dspark.errors import DSparkError
+
+
+def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:
+    """c_k = σ(logit_k / T_k) (T = 1 unless calibrated)."""
+    if logits is None:
+        raise DSparkError(f"the {policy} policy needs a drafter with a confidence head")
+    if temperatures is not None:
+        logits = logits / torch.as_tensor(temperatures, dtype=logits.dtype)[: logits.shape[1]]
+    return torch.sigmoid(logits)
 
 
 class FixedLength:
@@ -19,7 +29,7 @@ class FixedLength:
             raise DSparkError(f"verification length must be >= 0, got {length}")
         self.length = length
 
-    def lengths(self, confidence: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
+    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         length = gamma if self.length is None else min(self.length, gamma)
         return torch.full((batch,), length, dtype=torch.long)
 
@@ -35,11 +45,44 @@ class ConfidenceThreshold:
             raise DSparkError(f"confidence threshold must be in [0, 1], got {threshold}")
         self.threshold = threshold
 
-    def lengths(self, confidence: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        if confidence is None:
-            raise DSparkError("the threshold policy needs a drafter with a confidence head")
-        keep = (confidence >= self.threshold).long().cumprod(dim=1)
+    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
+        keep = (confidences(confidence_logits, "threshold") >= self.threshold).long().cumprod(dim=1)
         return keep.sum(dim=1)
 
     def describe(self) -> str:
         return f"threshold({self.threshold})"
+
+
+class PrefixScheduler:
+    """Confidence-scheduled verification, Algorithm 1 of the paper (SPEC §5).
+
+    Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
+    from ℓ = 0 for every request (B = R tokens, τ = R), each admission sets ℓ_r = j, B += 1, τ += a_{r,j}, and is
+    kept while Θ = τ · SPS(B) improves. The search stops at the first admission that does not improve Θ: looking
+    further would let the token sampled at j decide whether j is verified (Appendix A), which biases the output.
+    """
+
+    def __init__(self, cost, temperatures: list[float] | None = None):
+        self.cost = cost
+        self.temperatures = temperatures
+
+    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
+        survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
+        # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
+        order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
+        values = survival.flatten().tolist()
+        ell = [0] * batch
+        tokens, tau = batch, float(batch)
+        best = tau * self.cost.sps(tokens)
+        for idx in order:
+            r, j = divmod(idx, gamma)
+            if j != ell[r]:
+                break  # only reachable through a tie across positions; stopping is always safe
+            theta = (tau + values[idx]) * self.cost.sps(tokens + 1)
+            if theta <= best:
+                break
+            ell[r], tokens, tau, best = j + 1, tokens + 1, tau + values[idx], theta
+        return torch.tensor(ell, dtype=torch.long)
+
+    def describe(self) -> str:
+        return "prefix scheduler" + (" (STS-calibrated)" if self.temperatures else "")

@@ -1,0 +1,118 @@
+"""Confidence calibration by Sequential Temperature Scaling (SPEC §5), and its quality measures.
+
+Rounds of real decoding give, per draft position k, the confidence logit and whether the prefix 1..k survived.
+For k = 1..γ in order, T_k is grid-searched so that the survival estimate Π_{i<=k} σ(logit_i / T_i) has the lowest
+expected calibration error against observed prefix survival, earlier temperatures held fixed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GRID = torch.tensor([0.25, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0, 10.0])
+
+
+@dataclass
+class Rounds:
+    """logits [N, γ] confidence logits; survived [N, γ] prefix 1..k accepted; verified [N, γ] position k verified."""
+
+    logits: torch.Tensor
+    survived: torch.Tensor
+    verified: torch.Tensor
+
+
+def survival(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(logits / temperatures).cumprod(dim=-1)
+
+
+def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+    """Expected calibration error with equal-width bins."""
+    if pred.numel() == 0:
+        return float("nan")
+    idx = (pred * bins).long().clamp(max=bins - 1)
+    err = 0.0
+    for b in range(bins):
+        sel = idx == b
+        if sel.any():
+            err += float(sel.float().mean()) * abs(float(pred[sel].mean()) - float(label[sel].float().mean()))
+    return err
+
+
+def auroc(pred: torch.Tensor, label: torch.Tensor) -> float:
+    """Probability that a random positive is scored above a random negative (ties count half)."""
+    pos, neg = pred[label.bool()], pred[~label.bool()]
+    if len(pos) == 0 or len(neg) == 0:
+        return float("nan")
+    greater = (pos[:, None] > neg[None, :]).float().mean()
+    ties = (pos[:, None] == neg[None, :]).float().mean()
+    return float(greater + 0.5 * ties)
+
+
+def brier(pred: torch.Tensor, label: torch.Tensor) -> float:
+    return float(((pred - label.float()) ** 2).mean()) if pred.numel() else float("nan")
+
+
+def fit_sts(rounds: Rounds, grid: torch.Tensor = GRID) -> list[float]:
+    gamma = rounds.logits.shape[1]
+    temps = torch.ones(gamma)
+    for k in range(gamma):
+        sel = rounds.verified[:, k]
+        if not sel.any():
+            continue
+        best, best_t = float("inf"), 1.0
+        for t in grid:
+            temps[k] = t
+            err = ece(survival(rounds.logits[sel, : k + 1], temps[: k + 1])[:, -1], rounds.survived[sel, k])
+            if err < best:
+                best, best_t = err, float(t)
+        temps[k] = best_t
+    return temps.tolist()
+
+
+def report(rounds: Rounds, temperatures: list[float]) -> list[dict]:
+    """ECE, AUROC and Brier of prefix survival per position, before (T = 1) and after calibration."""
+    gamma = rounds.logits.shape[1]
+    before = survival(rounds.logits, torch.ones(gamma))
+    after = survival(rounds.logits, torch.tensor(temperatures))
+    rows = []
+    for k in range(gamma):
+        sel = rounds.verified[:, k]
+        label = rounds.survived[sel, k]
+        rows.append({"position": k + 1, "rounds": int(sel.sum()), "observed_survival": round(float(label.float().mean()), 4) if sel.any() else None,
+                     "ece_before": round(ece(before[sel, k], label), 4), "ece_after": round(ece(after[sel, k], label), 4),
+                     "auroc": round(auroc(after[sel, k], label), 4),
+                     "brier_before": round(brier(before[sel, k], label), 4), "brier_after": round(brier(after[sel, k], label), 4)})
+    return rows
+
+
+def reliability_plot(rounds: Rounds, temperatures: list[float], path, positions=(1, 2, 3), bins: int = 10) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gamma = rounds.logits.shape[1]
+    fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 4))
+    for ax, k in zip(axes, positions):
+        if k > gamma:
+            continue
+        sel = rounds.verified[:, k - 1]
+        label = rounds.survived[sel, k - 1].float()
+        for name, temps in (("raw", torch.ones(gamma)), ("STS", torch.tensor(temperatures))):
+            pred = survival(rounds.logits[sel], temps)[:, k - 1]
+            idx = (pred * bins).long().clamp(max=bins - 1)
+            xs, ys = [], []
+            for b in range(bins):
+                m = idx == b
+                if m.sum() >= 5:
+                    xs.append(float(pred[m].mean()))
+                    ys.append(float(label[m].mean()))
+            ax.plot(xs, ys, marker="o", label=f"{name} (ECE {ece(pred, label):.3f})")
+        ax.plot([0, 1], [0, 1], color="gray", linestyle="--", linewidth=0.8)
+        ax.set(title=f"prefix survival, position {k}", xlabel="predicted", ylabel="observed", xlim=(0, 1), ylim=(0, 1))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

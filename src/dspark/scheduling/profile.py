@@ -1,0 +1,81 @@
+"""The cost table: how long a verify forward takes as a function of the tokens it carries (SPEC §5).
+
+SPS(B) = target steps per second when the verify forward carries B tokens in total (bonus slots included),
+profiled once per engine, machine and precision. Stored in the interchange format TensorRT-LLM and SGLang read:
+{"token_counts": [...], "step_time_ms": [...], ...}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_write_json
+
+
+@dataclass
+class CostTable:
+    token_counts: list[int]
+    step_time_ms: list[float]
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.token_counts or len(self.token_counts) != len(self.step_time_ms):
+            raise DSparkError("a cost table needs matching, non-empty token_counts and step_time_ms")
+        pairs = sorted(zip(self.token_counts, self.step_time_ms))
+        self.token_counts = [int(n) for n, _ in pairs]
+        self.step_time_ms = [float(t) for _, t in pairs]
+
+    def step_time(self, tokens: int) -> float:
+        """Milliseconds for a forward over `tokens` tokens: linear between profiled counts, flat-extended outside."""
+        xs, ys = self.token_counts, self.step_time_ms
+        if tokens <= xs[0]:
+            return ys[0]
+        if tokens >= xs[-1]:
+            return ys[-1] * tokens / xs[-1]  # beyond the table: proportional (compute bound)
+        for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+            if x0 <= tokens <= x1:
+                return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+        return ys[-1]
+
+    def sps(self, tokens: int) -> float:
+        """Target steps per second at `tokens` tokens per verify forward."""
+        return 1000.0 / self.step_time(tokens)
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_json(path, {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta})
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostTable:
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise DSparkError(f"cannot read cost table {path}: {e}; make one with `dspark profile`") from e
+        if "token_counts" not in data or "step_time_ms" not in data:
+            raise DSparkError(f"{path} is not a cost table (needs token_counts and step_time_ms)")
+        meta = {k: v for k, v in data.items() if k not in ("token_counts", "step_time_ms")}
+        return cls(data["token_counts"], data["step_time_ms"], meta)
+
+
+@torch.no_grad()
+def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7) -> CostTable:
+    """Median time of a forward over n new tokens on a `context`-token cache (rolled back after each), batch 1."""
+    cache = target.new_cache(1)
+    ids = torch.randint(0, min(target.vocab_size, 5000), (1, context + max(token_counts)), device=target.device)
+    target.forward(cache, ids[:, :context], logits="last", features=True)
+    times = []
+    for n in token_counts:
+        samples = []
+        for i in range(repeats + 1):
+            start = time.perf_counter()
+            target.forward(cache, ids[:, context : context + n], features=True)
+            samples.append(time.perf_counter() - start)
+            cache.rollback(cache.lengths - n)
+        times.append(round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3))
+    return CostTable(list(token_counts), times, {"dtype": str(target.dtype).replace("torch.", ""), "context": context,
+                                                 "batch_size": 1, "threads": torch.get_num_threads(), "target": target.name})

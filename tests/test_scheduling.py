@@ -1,0 +1,149 @@
+"""Confidence-scheduled verification: cost table, Algorithm 1, its losslessness (paper Appendix A), calibration."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_drafter, tiny_target
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.decoding.policy import PrefixScheduler
+from dspark.decoding.sampling import SamplingParams
+from dspark.decoding.verify import verify_sampling
+from dspark.errors import DSparkError
+from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
+from dspark.scheduling.profile import CostTable, profile_target
+
+APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
+
+
+def logit(p):
+    return math.log(p / (1 - p)) if 0 < p < 1 else (-30.0 if p == 0 else 30.0)
+
+
+def test_cost_table_interpolates_and_round_trips(tmp_path):
+    table = CostTable([8, 1, 4], [80.0, 50.0, 60.0], {"dtype": "float32"})
+    assert table.token_counts == [1, 4, 8]
+    assert table.step_time(2) == pytest.approx(50 + 10 / 3)
+    assert table.step_time(16) == pytest.approx(160.0)  # proportional beyond the table
+    assert table.sps(1) == pytest.approx(20.0)
+    table.save(tmp_path / "c.json")
+    again = CostTable.load(tmp_path / "c.json")
+    assert again.step_time_ms == table.step_time_ms and again.meta["dtype"] == "float32"
+    with pytest.raises(DSparkError, match="not a cost table"):
+        (tmp_path / "bad.json").write_text("{}")
+        CostTable.load(tmp_path / "bad.json")
+
+
+def test_algorithm_1_by_hand():
+    flat = CostTable([1, 16], [10.0, 10.0])  # verifying is free: admit everything that has any chance
+    conf = torch.tensor([[logit(0.9), logit(0.5), logit(0.01)]])
+    assert PrefixScheduler(flat).lengths(conf, 3, 1).tolist() == [3]
+    steep = CostTable([1, 2, 3, 4], [10.0, 20.0, 30.0, 40.0])  # each token costs a full step: never worth it
+    assert PrefixScheduler(steep).lengths(conf, 3, 1).tolist() == [0]
+    mild = CostTable([1, 2, 3, 4], [10.0, 11.0, 12.0, 20.0])
+    # Θ0 = 1·100; Θ1 = 1.9·90.9 = 172.7; Θ2 = 2.35·83.3 = 195.8; Θ3 = 2.3545·50 = 117.7 -> ℓ = 2
+    assert PrefixScheduler(mild).lengths(conf, 3, 1).tolist() == [2]
+    # two requests compete for the budget: the more confident one gets the tokens first
+    two = torch.tensor([[logit(0.95), logit(0.9)], [logit(0.3), logit(0.3)]])
+    assert PrefixScheduler(CostTable([2, 3, 4, 5, 6], [10.0, 10.5, 11.0, 20.0, 30.0])).lengths(two, 2, 2).tolist() == [2, 0]
+    with pytest.raises(DSparkError, match="confidence head"):
+        PrefixScheduler(flat).lengths(None, 3, 1)
+
+
+def appendix_a_first_token(scheduler_lengths, n=20000, seed=0):
+    """Monte Carlo of the paper's Appendix A: target (0.7, 0.3), draft (0.5, 0.5), a1 = 0.8, c2 depends on x1."""
+    g = torch.Generator().manual_seed(seed)
+    x1 = torch.multinomial(torch.tensor([0.5, 0.5]), n, replacement=True, generator=g)
+    c2 = torch.where(x1 == 0, 0.9, 0.0)
+    conf = torch.stack([torch.full((n,), logit(0.8)), torch.tensor([logit(float(c)) for c in c2])], dim=1)
+    ell = scheduler_lengths(conf)
+    q_logits = torch.log(torch.tensor([0.7, 0.3])).expand(n, 3, 2)
+    p = torch.full((n, 2, 2), 0.5)
+    tokens = torch.stack([x1, torch.zeros_like(x1)], dim=1)
+    gens = SamplingParams(temperature=1.0, seed=seed).generators(n)
+    accepted, nxt = verify_sampling(q_logits, p, tokens, ell, SamplingParams(temperature=1.0), gens)
+    first = torch.where(accepted > 0, x1, nxt)
+    return float((first == 0).float().mean())
+
+
+def test_early_stop_keeps_the_target_distribution():
+    scheduler = PrefixScheduler(APPENDIX_A)
+    share_a = appendix_a_first_token(lambda conf: torch.cat([scheduler.lengths(c[None], 2, 1) for c in conf]))
+    assert share_a == pytest.approx(0.7, abs=0.015)
+
+
+def test_a_search_without_early_stop_is_biased():
+    """What the early stop prevents: choosing ℓ by the global argmax of Θ lets x1 decide its own admission."""
+
+    def global_argmax(conf):
+        out = []
+        for c in conf:
+            a = torch.sigmoid(c).cumprod(0).tolist()
+            thetas = [1.0 * APPENDIX_A.sps(1), (1 + a[0]) * APPENDIX_A.sps(2), (1 + a[0] + a[1]) * APPENDIX_A.sps(3)]
+            out.append(max(range(3), key=lambda i: thetas[i]))
+        return torch.tensor(out)
+
+    assert appendix_a_first_token(global_argmax) == pytest.approx(0.85, abs=0.015)
+
+
+def test_scheduled_engine_is_lossless():
+    target = tiny_target(eos=7)
+    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=6),
+                               PrefixScheduler(CostTable([1, 4, 8], [10.0, 11.0, 14.0])))
+    prompts = [[9, 10, 11, 12], [40, 41], [60, 61, 62, 63, 64, 65]]
+    results = engine.generate(prompts, 25)
+    assert [r.token_ids for r in results] == [r.token_ids for r in generate_plain(target, prompts, 25)]
+    assert any(r.stats.verified_tokens < 6 * r.stats.rounds for r in results)  # it really shortened some rounds
+
+
+def test_sts_fixes_overconfidence():
+    torch.manual_seed(0)
+    n, gamma = 4000, 3
+    true_p = torch.rand(n, gamma) * 0.9 + 0.05
+    accepted = torch.rand(n, gamma) < true_p
+    survived = accepted.long().cumprod(dim=1).bool()
+    logits = torch.log(true_p / (1 - true_p)) * 3  # three times too sharp
+    rounds = Rounds(logits, survived, torch.ones(n, gamma, dtype=torch.bool))
+    temps = fit_sts(rounds)
+    assert temps[0] == pytest.approx(3.0, abs=0.5) and temps[1] == pytest.approx(3.0, abs=1.0), temps
+    rows = report(rounds, temps)
+    assert all(r["ece_after"] < r["ece_before"] for r in rows)
+    assert rows[0]["auroc"] > 0.6 and rows[0]["brier_after"] < rows[0]["brier_before"]
+    assert ece(torch.tensor([0.9, 0.9]), torch.tensor([1, 1])) == pytest.approx(0.1)
+    assert auroc(torch.tensor([0.9, 0.1]), torch.tensor([1, 0])) == 1.0
+
+
+def test_profile_measures_a_real_forward():
+    table = profile_target(tiny_target(), token_counts=(1, 4), context=16, repeats=2)
+    assert table.token_counts == [1, 4] and all(t > 0 for t in table.step_time_ms)
+
+
+def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from dspark.target import Target
+
+    folder, _ = tiny_run
+    target = Target.load(str(folder))
+    tiny_drafter(target, block_size=4, mask_token_id=63).save(tmp_path / "d", target.identity())
+    (tmp_path / "p.txt").write_text("t5 t6 t7\nt9 t10\nt20 t21 t22 t23\n")
+
+    def run(*args):
+        proc = subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    run("profile", "--model", str(folder), "--out", str(tmp_path / "costs.json"), "--token-counts", "1", "2", "5",
+        "--context", "8", "--repeats", "1")
+    run("calibrate", "--model", str(folder), "--drafter", str(tmp_path / "d"), "--data", str(tmp_path / "p.txt"),
+        "--max-new-tokens", "16", "--out", str(tmp_path / "calib.json"), "--plot", str(tmp_path / "calib.png"))
+    calib = json.loads((tmp_path / "calib.json").read_text())
+    assert len(calib["sts_temperatures"]) == 4 and calib["rounds"] > 0 and (tmp_path / "calib.png").exists()
+    out = json.loads(run("generate", "t5 t6", "--model", str(folder), "--drafter", str(tmp_path / "d"), "--max-new-tokens",
+                         "16", "--cost-table", str(tmp_path / "costs.json"), "--calibration", str(tmp_path / "calib.json"),
+                         "--json", "--compare-plain"))
+    assert out["identical_to_plain"] is True
