@@ -259,12 +259,13 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
 def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig,
-                    anchor_gen: torch.Generator) -> None:
+                    anchor_states: list[torch.Tensor]) -> None:
     """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
     opt = optimizer.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     tensors["rng.torch"] = torch.get_rng_state()
-    tensors["rng.anchors"] = anchor_gen.get_state()
+    for rank, gen_state in enumerate(anchor_states):  # every rank's anchor sampler, so each resumes exactly
+        tensors[f"rng.anchors.{rank}"] = gen_state
     meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
             "train_config": asdict(cfg)}
     with atomic_dir(path) as tmp:
@@ -275,7 +276,7 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
 
 
-def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator) -> dict:
+def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator, rank: int = 0) -> dict:
     from safetensors.torch import load_file as load
 
     drafter.load_state_dict(load(str(path / "model.safetensors")))
@@ -288,7 +289,10 @@ def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator)
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
-    anchor_gen.set_state(tensors["rng.anchors"])
+    key = f"rng.anchors.{rank}"
+    if key not in tensors:
+        raise DSparkError(f"{path} was written by fewer ranks; resume with the number of processes it was trained with")
+    anchor_gen.set_state(tensors[key])
     random.setstate(eval(meta["python_rng"], {"__builtins__": {}}))  # tuples of ints only
     return meta["loop"]
 
@@ -354,7 +358,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if resume:
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
-        loop = load_checkpoint(checkpoint, drafter, optimizer, anchor_gen)
+        loop = load_checkpoint(checkpoint, drafter, optimizer, anchor_gen, rank)
 
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
@@ -375,14 +379,16 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         # Each micro-batch's loss is a weighted mean over every supervised position of the whole step, all ranks.
         prepared = [source(m) for m in micro]
         plans = [plan_blocks(b, cfg, anchor_gen) for b in prepared]
-        denominator = all_sum(sum(p.weights.sum() for p in plans))
+        local = torch.stack([sum(p.weights.sum() for p in plans).float().cpu(),
+                             torch.tensor(float(sum(int(b.loss_mask.sum()) for b in prepared)))])
+        denominator, step_tokens = all_sum(local).tolist()
         step_metrics = {}
         for batch, plan in zip(prepared, plans):
-            loss, metrics = block_loss(model, batch, plan, cfg, denominator)
+            loss, metrics = block_loss(model, batch, plan, cfg, torch.tensor(denominator, device=device))
             (loss * world).backward()  # DDP averages gradients over ranks; the denominator is already global
             for k, v in metrics.items():
                 step_metrics[k] = step_metrics.get(k, 0.0) + v
-            loop["tokens"] += int(batch.loss_mask.sum())
+        loop["tokens"] += int(step_tokens)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         lr = lr_at(loop["step"], total, cfg)
         for group in optimizer.param_groups:
@@ -391,7 +397,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         loop["step"] += 1
         loop["seconds"] = time.perf_counter() - start
         last = {"step": loop["step"], "epoch": loop["epoch"], "lr": lr, "grad_norm": float(grad_norm),
-                "seconds": round(loop["seconds"], 1), "tokens": loop["tokens"] * world, **step_metrics}
+                "seconds": round(loop["seconds"], 1), "tokens": loop["tokens"], **step_metrics}
         bar.update(1)
         bar.set_postfix({k: f"{v:.3f}" for k, v in step_metrics.items()})
         due_eval = loop["step"] % cfg.eval_every == 0 or loop["step"] == total
@@ -402,8 +408,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             metrics_file.write(json.dumps(last) + "\n")
             metrics_file.flush()
         if loop["step"] % cfg.save_every == 0 or loop["step"] == total:
+            states = [anchor_gen.get_state()]
+            if world > 1:
+                states = [None] * world
+                dist.all_gather_object(states, anchor_gen.get_state())
             if rank == 0:
-                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg, anchor_gen)
+                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg, states)
             barrier()
     bar.close()
     if metrics_file:
