@@ -181,6 +181,9 @@ def test_regeneration_resumes_without_duplicates_or_losses(tmp_path, monkeypatch
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     assert sorted(r["id"] for r in rows) == sorted(r["id"] for r in records)  # each once, none lost
     assert report["skipped_done"] == len(partial)
+    # two-turn conversations finish as they go, not after every first turn
+    first_written = [json.loads(x)["id"] for x in out.read_text().splitlines()][:4]
+    assert any(int(rid[1:]) % 2 == 1 for rid in first_written)
     for r in rows:
         users = sum(m["role"] == "user" for m in r["messages"])
         assert [m["role"] for m in r["messages"]] == ["user", "assistant"] * users

@@ -59,8 +59,9 @@ def regenerate(
     state = {}
     queue = deque()
 
-    def schedule(rid: str) -> None:
-        """Queue the next user turn of a conversation (its history holds the answers regenerated so far)."""
+    def schedule(rid: str, follow_up: bool = False) -> None:
+        """Queue the next user turn of a conversation (its history holds the answers regenerated so far). A follow-up
+        turn goes to the front, so conversations finish (and are written) soon after they start."""
         s = state[rid]
         while s["next"] < len(s["source"]) and s["source"][s["next"]]["role"] != "user":
             if s["source"][s["next"]]["role"] == "system":
@@ -68,7 +69,8 @@ def regenerate(
             s["next"] += 1
         s["messages"].append(s["source"][s["next"]])
         s["next"] += 1
-        queue.append((rid, target.encode_chat(s["messages"])))
+        item = (rid, target.encode_chat(s["messages"]))
+        queue.appendleft(item) if follow_up else queue.append(item)
 
     for r in todo:
         state[r["id"]] = {"record": r, "source": r["messages"], "messages": [], "next": 0, "ids": [], "finish": []}
@@ -85,7 +87,7 @@ def regenerate(
             s["ids"].append(result.token_ids)
             s["finish"].append(result.finish_reason)
             if any(m["role"] == "user" for m in s["source"][s["next"]:]):
-                schedule(rid)
+                schedule(rid, follow_up=True)
                 continue
             record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
             record.update(messages=s["messages"], assistant_token_ids=s["ids"], finish_reasons=s["finish"], **meta)
