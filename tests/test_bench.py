@@ -21,14 +21,19 @@ def bench_run(tiny_run, tmp_path_factory):
     evalset = tmp / "evalset.jsonl"
     evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}", "second turn"]}) + "\n" for i in range(3)))
     cfg = BenchConfig(model=str(folder), datasets=[str(evalset)], prompts_per_set=2, max_new_tokens=12,
-                      temperatures=[0.0, 1.0], dtypes=["float32"], drafters={"dspark": str(tmp / "drafter")})
-    return run_bench(cfg, progress=lambda _: None), tmp
+                      temperatures=[0.0, 1.0], dtypes=["float32"], drafters={"dspark": str(tmp / "drafter")},
+                      scheduled=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSPARK_CACHE", str(tmp / "cache"))  # the profiled cost table is cached there, not in ~/.cache
+        run = run_bench(cfg, progress=lambda _: None)
+    assert list((tmp / "cache" / "costs").glob("*.json"))
+    return run, tmp
 
 
 def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run):
     run, _ = bench_run
     methods = {r["method"] for r in run["results"]}
-    assert methods == {"plain", "hf", "hf-lookup", "dspark"}
+    assert methods == {"plain", "hf", "hf-lookup", "dspark", "dspark+sched"}
     for r in run["results"]:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["prompts"] == 2
         if r["method"] == "plain":
@@ -36,7 +41,7 @@ def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run)
         if r["temperature"] == 0:
             # HF generate and our plain decoding agree; speculative decoding is lossless
             assert r["identical_to_plain"] == 2, r
-    spec = [r for r in run["results"] if r["method"] == "dspark"]
+    spec = [r for r in run["results"] if r["method"].startswith("dspark")]
     assert all(1 <= r["tau"] <= 5 and len(r["accept_by_position"]) == 4 for r in spec)
     assert all(set(r["ms_per_round"]) == {"draft", "verify", "context", "other"} for r in spec)
     assert run["machine"]["torch"] and run["drafters"]["dspark"]["weights_mb"] > 0

@@ -59,9 +59,14 @@ def load_target(args, layer_ids=None):
     return Target.load(args.model, dtype=args.dtype, layer_ids=layer_ids)
 
 
-def build_policy(args):
+def build_policy(args, target=None, drafter_path=None):
     from dspark.decoding.policy import ConfidenceThreshold, FixedLength, PrefixScheduler
 
+    if getattr(args, "schedule", False):
+        from dspark.drafter.model import read_calibration
+        from dspark.scheduling.profile import cached_cost_table
+
+        return PrefixScheduler(cached_cost_table(target), read_calibration(drafter_path))
     if getattr(args, "cost_table", None):
         from dspark.scheduling.profile import CostTable
 
@@ -82,6 +87,9 @@ def build_policy(args):
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-length", type=int, default=None, help="verify this many draft tokens per round (default γ)")
     p.add_argument("--confidence-threshold", type=float, default=None, help="verify up to the first c_k below this")
+    p.add_argument("--schedule", action="store_true",
+                   help="confidence-scheduled verification with this machine's cost table (profiled once, cached) "
+                        "and the drafter's shipped calibration")
     p.add_argument("--cost-table", help="cost table JSON (`dspark profile`): schedule verification lengths (Algorithm 1)")
     p.add_argument("--calibration", help="STS temperatures JSON (`dspark calibrate`) for the scheduler")
 
@@ -131,7 +139,7 @@ def cmd_generate(args) -> int:
         from dspark.decoding.engine import SpeculativeEngine
         from dspark.drafter import DSparkDrafter
 
-        engine = SpeculativeEngine(target, DSparkDrafter.load(args.drafter, target), build_policy(args))
+        engine = SpeculativeEngine(target, DSparkDrafter.load(args.drafter, target), build_policy(args, target, args.drafter))
         result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
     else:
         result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
@@ -177,12 +185,19 @@ def cmd_demo(args) -> int:
     from dspark.bench.demo import run_demo, shipped_drafter
     from dspark.drafter import DSparkDrafter
 
+    from dspark.decoding.policy import FixedLength, PrefixScheduler
+    from dspark.drafter.model import read_calibration
+    from dspark.scheduling.profile import cached_cost_table
+
     target = load_target(args)
     drafter_path = args.drafter or shipped_drafter(args.model)
     drafter = DSparkDrafter.load(drafter_path, target)
+    policy = FixedLength()
+    if drafter.confidence_head is not None and not args.fixed:
+        policy = PrefixScheduler(cached_cost_table(target), read_calibration(drafter_path))
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
-          f"max {args.max_new_tokens} new tokens\n")
-    rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens)
+          f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
+    rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)
     for r in rows:
         print(f"=== {r.dataset}: {textwrap.shorten(r.prompt, 100)}")
         print(f"--- DSpark (τ={r.tau:.2f}, {r.spec_tokens_per_s:.1f} tok/s) vs plain ({r.plain_tokens_per_s:.1f} tok/s): "
@@ -218,7 +233,7 @@ def cmd_bench(args) -> int:
         drafters[label] = path
     cfg = BenchConfig(model=args.model, datasets=args.datasets, prompts_per_set=args.prompts_per_set,
                       max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, dtypes=args.dtypes,
-                      drafters=drafters, peers=args.peers, seed=args.seed)
+                      drafters=drafters, peers=args.peers, seed=args.seed, scheduled=args.scheduled)
     run = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -319,6 +334,28 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_curves(args) -> int:
+    from pathlib import Path
+
+    from dspark.bench.report import curve_at, training_curves
+
+    runs = {}
+    for item in args.run:
+        label, sep, path = item.partition("=")
+        if not sep or not (Path(path) / "metrics.jsonl").exists():
+            raise DSparkError(f"--run takes LABEL=RUN_FOLDER with a metrics.jsonl, got '{item}'")
+        runs[label] = Path(path)
+    curves = training_curves(runs, Path(args.out))
+    ref = curves[args.reference] if args.reference else None
+    for label, pts in curves.items():
+        line = {"run": label, "final": pts[-1] if pts else None}
+        if ref:
+            line["tau_at_reference_seconds"] = curve_at(pts, "seconds", ref[-1]["seconds"])
+            line["tau_at_reference_tokens"] = curve_at(pts, "tokens", ref[-1]["tokens"])
+        print(json.dumps(line))
+    return 0
+
+
 def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
@@ -392,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
     p.add_argument("--per-set", type=positive_int, default=1)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--fixed", action="store_true", help="verify all γ draft tokens every round (no scheduler)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="τ, speed, agreement and memory of every method, side by side")
@@ -405,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--drafter", action="append", help="LABEL=PATH, repeatable (default: dspark=<shipped drafter>)")
     p.add_argument("--peers", nargs="*", default=["hf", "hf-lookup"], choices=["hf", "hf-lookup"])
+    p.add_argument("--scheduled", action="store_true",
+                   help="also run drafters that have a confidence head under the prefix scheduler (LABEL+sched)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="quick", help="name of the result files and of the BENCHMARKS.md section")
     p.add_argument("--out", default="bench", help="folder for the JSON result and the plots")
@@ -446,6 +486,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--plot", help="reliability plot PNG")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("curves", help="plot held-out τ against training time and tokens for training runs")
+    p.add_argument("--run", action="append", required=True, help="LABEL=RUN_FOLDER, repeatable")
+    p.add_argument("--reference", help="label whose final time and token count the others are read at")
+    p.add_argument("--out", required=True, help="PNG path")
+    p.set_defaults(func=cmd_curves)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")

@@ -55,9 +55,9 @@ class DemoRow:
         return self.spec_tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
 
 
-def run_demo(target, drafter, datasets=("humaneval", "gsm8k", "mt-bench"), per_set=1, max_new_tokens=128):
+def run_demo(target, drafter, datasets=("humaneval", "gsm8k", "mt-bench"), per_set=1, max_new_tokens=128, policy=None):
     """Each prompt decoded plainly and speculatively (greedy), after one untimed warm-up of both paths."""
-    engine = SpeculativeEngine(target, drafter)
+    engine = SpeculativeEngine(target, drafter, policy)
     warm = target.encode_chat("Hello!")
     generate_plain(target, [warm], 8)
     engine.generate([warm], 8)

@@ -45,7 +45,7 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
     greedy = [r for r in results if r["temperature"] == 0]
     if "dspark" in drafter_labels:
         for ds in SPEED_GOAL_SETS:
-            ours = [r for r in greedy if r["dataset"] == ds and r["method"] == "dspark"]
+            ours = [r for r in greedy if r["dataset"] == ds and r["method"] in ("dspark", "dspark+sched")]
             peers = [r for r in greedy if r["dataset"] == ds and r["method"] in ("hf", "hf-lookup")]
             if not ours or not peers:
                 continue
@@ -53,7 +53,7 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
             best_peer = max(peers, key=lambda r: r["tokens_per_s"])
             ratio = best_ours["tokens_per_s"] / best_peer["tokens_per_s"]
             verdict = "met" if ratio >= 1.5 else f"short by {(1.5 - ratio) / 1.5:.0%}"
-            lines.append(f"- {ds}: DSpark {best_ours['tokens_per_s']:.1f} tok/s ({best_ours['dtype']}) vs best peer "
+            lines.append(f"- {ds}: DSpark {best_ours['tokens_per_s']:.1f} tok/s ({best_ours['method']}, {best_ours['dtype']}) vs best peer "
                          f"{PEER_LABELS[best_peer['method']]} {best_peer['tokens_per_s']:.1f} tok/s ({best_peer['dtype']}): "
                          f"{ratio:.2f}x (goal 1.5x: {verdict})")
         for base, goal in (("dflash", 1.15), ("eagle3", 1.25)):
@@ -71,7 +71,7 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
 def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, str]) -> str:
     results, cfg, machine = run["results"], run["config"], run["machine"]
     datasets = cfg["datasets"]
-    drafter_labels = list(run["drafters"])
+    drafter_labels = list(dict.fromkeys([*run["drafters"], *(r["method"] for r in results if "tau" in r)]))
     out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", ""]
     out.append(f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
                f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
@@ -153,7 +153,7 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
     temp = min(run["config"]["temperatures"])
     rows = [r for r in results if r["dtype"] == dtype and r["temperature"] == temp]
     datasets = run["config"]["datasets"]
-    drafters = list(run["drafters"])
+    drafters = list(dict.fromkeys(r["method"] for r in rows if "tau" in r))
     paths = {}
 
     if drafters:
@@ -197,3 +197,39 @@ def _save(fig, path: Path) -> Path:
 
     plt.close(fig)
     return path
+
+
+def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
+    """Held-out greedy τ against training seconds and tokens, one line per run (from each run's metrics.jsonl)."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = {}
+    for label, folder in runs.items():
+        rows = [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        curves[label] = [{"step": r["step"], "seconds": r["seconds"], "tokens": r["tokens"], "tau": r["tau_greedy"]}
+                         for r in rows if "tau_greedy" in r]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for label, pts in curves.items():
+        axes[0].plot([p["seconds"] / 60 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
+        axes[1].plot([p["tokens"] / 1e6 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
+    axes[0].set(xlabel="training wall time (minutes)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against time")
+    axes[1].set(xlabel="training tokens seen (millions)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against tokens")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save(fig, path)
+    return curves
+
+
+def curve_at(points: list[dict], key: str, value: float) -> float | None:
+    """τ interpolated at `value` of seconds or tokens (None beyond the run)."""
+    for a, b in zip(points, points[1:]):
+        if a[key] <= value <= b[key]:
+            w = (value - a[key]) / (b[key] - a[key]) if b[key] > a[key] else 0.0
+            return a["tau"] + w * (b["tau"] - a["tau"])
+    return points[-1]["tau"] if points and abs(points[-1][key] - value) < 1e-9 else None

@@ -38,6 +38,7 @@ class BenchConfig:
     dtypes: list[str] = field(default_factory=lambda: ["float32"])
     drafters: dict[str, str] = field(default_factory=dict)  # label -> checkpoint folder
     peers: list[str] = field(default_factory=lambda: list(PEERS))
+    scheduled: bool = False  # also run each drafter with a confidence head under the prefix scheduler
     lookup_tokens: int = 10
     seed: int = 0
 
@@ -151,6 +152,16 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             drafters[label] = DSparkDrafter.load(path, target)
             drafters_meta[label] = drafter_info(path, drafters[label])
         engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
+        if cfg.scheduled:
+            from dspark.decoding.policy import PrefixScheduler
+            from dspark.drafter.model import read_calibration
+            from dspark.scheduling.profile import cached_cost_table
+
+            table = cached_cost_table(target)
+            for label, d in drafters.items():
+                if d.confidence_head is not None:
+                    policy = PrefixScheduler(table, read_calibration(cfg.drafters[label]))
+                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, policy)
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
@@ -192,6 +203,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                         "peak_rss_mb": round(row["peak_rss"] / 2**20, 1),
                     }
                     if row["stats"]:
+                        entry["drafter"] = m.split("+")[0]
                         s: SpecStats = merged(row["stats"])
                         d = s.to_dict()
                         parts = {"draft": s.draft_seconds, "verify": s.verify_seconds, "context": s.context_seconds}

@@ -79,3 +79,20 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
         times.append(round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3))
     return CostTable(list(token_counts), times, {"dtype": str(target.dtype).replace("torch.", ""), "context": context,
                                                  "batch_size": 1, "threads": torch.get_num_threads(), "target": target.name})
+
+
+def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
+    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
+    read from the dspark cache."""
+    import platform
+
+    from dspark.models import cache_dir
+
+    name = str(target.name).replace("/", "_").strip("_.")
+    key = f"{name}-{str(target.dtype).replace('torch.', '')}-t{torch.get_num_threads()}-{platform.node()}"
+    path = cache_dir() / "costs" / f"{key}.json"
+    if path.exists():
+        return CostTable.load(path)
+    table = profile_target(target, token_counts, repeats=repeats)
+    table.save(path)
+    return table
