@@ -65,3 +65,20 @@ def test_bad_drafter_argument_exits_with_a_clear_error():
     proc = subprocess.run([sys.executable, "-m", "dspark.cli", "bench", "--drafter", "nolabel"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "LABEL=PATH" in proc.stderr
+
+
+def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
+    from dspark.bench.report import curve_at, training_curves
+
+    for name, speed in (("a", 1.0), ("b", 2.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [{"step": s, "seconds": s * 10 / speed, "tokens": s * 100, "tau_greedy": 1 + s / 100} for s in (0, 50, 100)]
+        rows.insert(1, {"step": 10, "seconds": 1.0, "tokens": 5})  # a step without evaluation is skipped
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    curves = training_curves({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000 and len(curves["a"]) == 3
+    # b runs twice as fast: at a's final time (1000 s) b is beyond its run; at 500 s b has reached step 100
+    assert curve_at(curves["b"], "seconds", 500) == pytest.approx(2.0)
+    assert curve_at(curves["a"], "tokens", 2500) == pytest.approx(1.25)
+    assert curve_at(curves["b"], "seconds", 5000) is None
