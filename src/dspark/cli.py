@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 from dspark.errors import DSparkError
 
@@ -77,7 +76,8 @@ def build_policy(args, target=None, drafter_path=None):
             try:
                 temps = json.loads(Path(args.calibration).read_text())["sts_temperatures"]
             except (OSError, KeyError, json.JSONDecodeError) as e:
-                raise DSparkError(f"--calibration {args.calibration}: not a calibration file ({e}); make one with `dspark calibrate`")
+                raise DSparkError(f"--calibration {args.calibration}: not a calibration file ({e}); "
+                                  "make one with `dspark calibrate`") from e
         return PrefixScheduler(CostTable.load(args.cost_table), temps)
     if getattr(args, "confidence_threshold", None) is not None:
         return ConfidenceThreshold(args.confidence_threshold)

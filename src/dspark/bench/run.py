@@ -166,13 +166,13 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
             warm = target.encode_chat("Hi!")
-            for label, engine in engines.items():  # one untimed warm-up per path
+            for engine in engines.values():  # one untimed warm-up per path
                 engine.generate([warm], 4, sampling)
             generate_plain(target, [warm], 4, sampling)
             for dataset in cfg.datasets:
                 prompts = [target.encode_chat(p) for p in eval_prompts(dataset, cfg.prompts_per_set)]
                 rows = {m: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "peak_rss": 0} for m in methods}
-                for i, ids in enumerate(prompts):
+                for ids in prompts:
                     for m in methods:
                         with PeakRSS() as rss:
                             if m == "plain":

@@ -71,7 +71,7 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
     times = []
     for n in token_counts:
         samples = []
-        for i in range(repeats + 1):
+        for _ in range(repeats + 1):
             start = time.perf_counter()
             target.forward(cache, ids[:, context : context + n], features=True)
             samples.append(time.perf_counter() - start)
