@@ -68,7 +68,7 @@ def test_bad_drafter_argument_exits_with_a_clear_error():
 
 
 def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
-    from dspark.bench.report import curve_at, training_curves
+    from dspark.bench.report import curve_at, curves_table, training_curves
 
     for name, speed in (("a", 1.0), ("b", 2.0)):
         folder = tmp_path / name
@@ -82,3 +82,7 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     assert curve_at(curves["b"], "seconds", 500) == pytest.approx(2.0)
     assert curve_at(curves["a"], "tokens", 2500) == pytest.approx(1.25)
     assert curve_at(curves["b"], "seconds", 5000) is None
+    # the table compares at the furthest common point: 10,000 tokens (both), 500 s (b's end)
+    table = curves_table(curves, "a", "dspark curves ...", "c.png")
+    row_b = next(line for line in table.splitlines() if line.startswith("| b |"))
+    assert "10k tokens" in table and "| b | 100 | 2.000 | 1.000 | 2.000 | 0.750 |" in row_b

@@ -65,3 +65,17 @@ def test_demo_runs_side_by_side(untrained_drafter):
     proc = dspark("demo", "--drafter", str(untrained_drafter), "--datasets", "gsm8k", "--max-new-tokens", "12")
     assert proc.returncode == 0, proc.stderr
     assert "outputs IDENTICAL" in proc.stdout and "speed-up" in proc.stdout and "mean τ" in proc.stdout
+
+
+def test_shipped_drafter_demo():
+    """The README's main command on the drafter that ships: small, calibrated, lossless, and it accepts drafts."""
+    from dspark.bench.demo import shipped_drafter
+
+    path = shipped_drafter("smollm2-135m-instruct")
+    assert (path / "model.safetensors").stat().st_size <= 40e6
+    assert (path / "MODEL_CARD.md").is_file() and (path / "calibration.json").is_file()
+    proc = dspark("demo", "--datasets", "gsm8k", "--max-new-tokens", "32")
+    assert proc.returncode == 0, proc.stderr
+    assert "prefix scheduler" in proc.stdout and "identical outputs: 1/1" in proc.stdout
+    tau = float(proc.stdout.split("mean τ ")[1].split(";")[0])
+    assert tau > 1.2, proc.stdout

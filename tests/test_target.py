@@ -71,6 +71,22 @@ def test_compaction_preserves_results(target):
     torch.testing.assert_close(target.forward(cache, nxt).logits, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_compaction_that_narrows_the_cache(target):
+    """Holes in every row: compaction moves live slots down past the new width, in keys and values alike."""
+    cache = target.new_cache(2)
+    target.forward(cache, torch.randint(0, 90, (2, 10)))
+    target.forward(cache, torch.randint(0, 90, (2, 6)), torch.tensor([6, 2]))  # row 1: 4 padding slots
+    target.forward(cache, torch.randint(0, 90, (2, 3)))
+    cache.rollback(torch.tensor([13, 15]))  # row 0 loses its tail; row 1 keeps live slots after its holes
+    nxt = torch.randint(0, 90, (2, 2))
+    expected = target.forward(cache, nxt).logits
+    cache.rollback(cache.lengths - 2)
+    width = cache.slots.width
+    cache.compact()
+    assert cache.slots.width == 15 < width
+    torch.testing.assert_close(target.forward(cache, nxt).logits, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_plain_batch_equals_single_requests():
     target = tiny_target(eos=7)
     prompts = [torch.randint(8, 90, (n,)).tolist() for n in (3, 8, 5, 1)]

@@ -1,6 +1,7 @@
 """Training: anchors, each loss term by hand, the loop (loss falls, exact resume, DDP), data validation,
 resumable regeneration."""
 
+import gzip
 import json
 import math
 import os
@@ -124,6 +125,9 @@ def test_prompt_formats(tmp_path):
     assert [r["messages"][0]["content"] for r in read_records(tmp_path / "p.txt")] == ["first", "second"]
     rows = read_records(write_jsonl(tmp_path / "t.jsonl", [{"turns": ["a", "b"]}, {"prompt": "c"}]))
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "user"]
+    plain = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "c"}, {"prompt": "d"}])
+    (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    assert [r["messages"] for r in read_records(tmp_path / "r.jsonl.gz")] == [r["messages"] for r in read_records(plain)]
 
 
 @pytest.mark.real

@@ -335,9 +335,11 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_curves(args) -> int:
+    import os
+    import shlex
     from pathlib import Path
 
-    from dspark.bench.report import curve_at, training_curves
+    from dspark.bench.report import curves_table, training_curves, write_section
 
     runs = {}
     for item in args.run:
@@ -345,14 +347,20 @@ def cmd_curves(args) -> int:
         if not sep or not (Path(path) / "metrics.jsonl").exists():
             raise DSparkError(f"--run takes LABEL=RUN_FOLDER with a metrics.jsonl, got '{item}'")
         runs[label] = Path(path)
+    reference = args.reference or next(iter(runs))
+    if reference not in runs:
+        raise DSparkError(f"--reference '{reference}' is not one of the --run labels ({', '.join(runs)})")
     curves = training_curves(runs, Path(args.out))
-    ref = curves[args.reference] if args.reference else None
-    for label, pts in curves.items():
-        line = {"run": label, "final": pts[-1] if pts else None}
-        if ref:
-            line["tau_at_reference_seconds"] = curve_at(pts, "seconds", ref[-1]["seconds"])
-            line["tau_at_reference_tokens"] = curve_at(pts, "tokens", ref[-1]["tokens"])
-        print(json.dumps(line))
+    if not all(curves.values()):
+        raise DSparkError(f"runs without a held-out evaluation yet: {', '.join(k for k, v in curves.items() if not v)}")
+    markdown = Path(args.markdown) if args.markdown else None
+    plot = os.path.relpath(args.out, markdown.parent) if markdown else str(args.out)
+    table = curves_table(curves, reference, "dspark " + shlex.join(sys.argv[1:]), plot, args.at_tokens,
+                         args.at_minutes * 60 if args.at_minutes else None)
+    print(table)
+    if markdown:
+        write_section(markdown, "training-curves", table)
+        print(f"dspark: wrote {args.out} and the training-curves section of {markdown}", file=sys.stderr)
     return 0
 
 
@@ -489,8 +497,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("curves", help="plot held-out τ against training time and tokens for training runs")
     p.add_argument("--run", action="append", required=True, help="LABEL=RUN_FOLDER, repeatable")
-    p.add_argument("--reference", help="label whose final time and token count the others are read at")
+    p.add_argument("--reference", help="label the others are compared with (default: the first --run)")
     p.add_argument("--out", required=True, help="PNG path")
+    p.add_argument("--markdown", help="also write the comparison table as a section of this file (BENCHMARKS.md)")
+    p.add_argument("--at-tokens", type=float, help="compare at this many training tokens (default: the furthest common)")
+    p.add_argument("--at-minutes", type=float, help="compare at this training time (default: the furthest common)")
     p.set_defaults(func=cmd_curves)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")

@@ -200,8 +200,9 @@ class KVCache:
         for layer in self.kv.layers:
             if layer.is_initialized:
                 idx = index[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-                layer.keys = layer.keys.gather(2, idx)
-                layer.values = layer.values.gather(2, idx)
+                # Gather both before assigning: setting keys sets the layer's length, which bounds the values view.
+                keys, values = layer.keys.gather(2, idx), layer.values.gather(2, idx)
+                layer.keys, layer.values = keys, values
 
 
 def _pad_slots(t: torch.Tensor, width: int) -> torch.Tensor:

@@ -233,3 +233,29 @@ def curve_at(points: list[dict], key: str, value: float) -> float | None:
             w = (value - a[key]) / (b[key] - a[key]) if b[key] > a[key] else 0.0
             return a["tau"] + w * (b["tau"] - a["tau"])
     return points[-1]["tau"] if points and abs(points[-1][key] - value) < 1e-9 else None
+
+
+def curves_table(curves: dict[str, list[dict]], reference: str, command: str, plot: str,
+                 tokens: float | None = None, seconds: float | None = None) -> str:
+    """Markdown: every run's held-out τ at the same training tokens and at the same wall time (by default the
+    furthest point all runs reached), beside the reference run's (the paper's 'trained alike' comparison)."""
+    runs = {label: pts for label, pts in curves.items() if pts}
+    tokens = tokens or min(pts[-1]["tokens"] for pts in runs.values())
+    seconds = seconds or min(pts[-1]["seconds"] for pts in runs.values())
+    at = {label: (curve_at(pts, "tokens", tokens), curve_at(pts, "seconds", seconds)) for label, pts in runs.items()}
+    ref_tok, ref_sec = at[reference]
+    fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
+    ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"  # noqa: E731
+    out = ["## Training curves: drafters trained alike", "", "Reproduce with:", "", "```bash", command, "```", "",
+           "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data,",
+           f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
+           "evaluations, every 100 steps; – where a run has no evaluation around that point).", "",
+           f"| run | steps | τ at {tokens / 1e3:.0f}k tokens | {reference} ÷ run | τ at {seconds / 60:.0f} min | "
+           f"{reference} ÷ run | final τ (step, minutes) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for label, pts in runs.items():
+        tok, sec = at[label]
+        last = pts[-1]
+        out.append(f"| {label} | {last['step']} | {fmt(tok)} | {ratio(ref_tok, tok)} | {fmt(sec)} | {ratio(ref_sec, sec)} | "
+                   f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) |")
+    out += ["", f"![training curves]({plot})", ""]
+    return "\n".join(out)

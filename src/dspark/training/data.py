@@ -7,6 +7,7 @@ compute; a bad record is reported with its file and line.
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +40,8 @@ def _messages(record: dict, where: str) -> list[dict]:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """All records of a data file, validated; each gets 'id' and normalised 'messages'."""
+    """All records of a data file (JSONL, gzipped JSONL or a .txt prompt list), validated; each gets 'id' and
+    normalised 'messages'."""
     path = Path(path)
     if not path.is_file():
         raise DSparkError(f"data file {path} does not exist")
@@ -51,7 +53,8 @@ def read_records(path: str | Path) -> list[dict]:
         if not records:
             raise DSparkError(f"{path} holds no prompts")
         return records
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         where = f"{path}:{n}"
