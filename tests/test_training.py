@@ -128,6 +128,9 @@ def test_prompt_formats(tmp_path):
     plain = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "c"}, {"prompt": "d"}])
     (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
     assert [r["messages"] for r in read_records(tmp_path / "r.jsonl.gz")] == [r["messages"] for r in read_records(plain)]
+    (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip")
+    with pytest.raises(DSparkError, match="broken.jsonl.gz: cannot read it as gzipped"):
+        read_records(tmp_path / "broken.jsonl.gz")
 
 
 @pytest.mark.real

@@ -53,7 +53,11 @@ def read_records(path: str | Path) -> list[dict]:
         if not records:
             raise DSparkError(f"{path} holds no prompts")
         return records
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    try:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise DSparkError(f"{path}: cannot read it as {'gzipped ' if path.suffix == '.gz' else ''}UTF-8 text ({e}); "
+                          "data files are JSONL, .jsonl.gz or .txt") from e
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
