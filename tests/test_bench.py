@@ -86,3 +86,16 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     table = curves_table(curves, "a", "dspark curves ...", "c.png")
     row_b = next(line for line in table.splitlines() if line.startswith("| b |"))
     assert "10k tokens" in table and "| b | 100 | 2.000 | 1.000 | 2.000 | 0.750 |" in row_b
+
+
+def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    rows = [{"step": s, "seconds": 10.0 * s, "tokens": 100 * s, "tau_greedy": 1 + s / 100} for s in (100, 200)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cmd = [sys.executable, "-m", "dspark.cli", "curves", "--run", f"a={folder}", "--out", str(tmp_path / "c.png")]
+    proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in proc.stdout
+    proc = subprocess.run(cmd + ["--reference", "zzz"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "--reference 'zzz' is not one of the --run labels" in proc.stderr
