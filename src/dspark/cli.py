@@ -62,22 +62,14 @@ def build_policy(args, target=None, drafter_path=None):
     from dspark.decoding.policy import ConfidenceThreshold, FixedLength, PrefixScheduler
 
     if getattr(args, "schedule", False):
-        from dspark.drafter.model import read_calibration
-        from dspark.scheduling.profile import cached_cost_table
+        from dspark.scheduling.profile import machine_scheduler
 
-        return PrefixScheduler(cached_cost_table(target), read_calibration(drafter_path))
+        return machine_scheduler(target, drafter_path)
     if getattr(args, "cost_table", None):
+        from dspark.scheduling.calibration import read_temperatures
         from dspark.scheduling.profile import CostTable
 
-        temps = None
-        if getattr(args, "calibration", None):
-            from pathlib import Path
-
-            try:
-                temps = json.loads(Path(args.calibration).read_text())["sts_temperatures"]
-            except (OSError, KeyError, json.JSONDecodeError) as e:
-                raise DSparkError(f"--calibration {args.calibration}: not a calibration file ({e}); "
-                                  "make one with `dspark calibrate`") from e
+        temps = read_temperatures(args.calibration) if getattr(args, "calibration", None) else None
         return PrefixScheduler(CostTable.load(args.cost_table), temps)
     if getattr(args, "confidence_threshold", None) is not None:
         return ConfidenceThreshold(args.confidence_threshold)
@@ -185,16 +177,15 @@ def cmd_demo(args) -> int:
     from dspark.bench.demo import run_demo, shipped_drafter
     from dspark.drafter import DSparkDrafter
 
-    from dspark.decoding.policy import FixedLength, PrefixScheduler
-    from dspark.drafter.model import read_calibration
-    from dspark.scheduling.profile import cached_cost_table
+    from dspark.decoding.policy import FixedLength
+    from dspark.scheduling.profile import machine_scheduler
 
     target = load_target(args)
     drafter_path = args.drafter or shipped_drafter(args.model)
     drafter = DSparkDrafter.load(drafter_path, target)
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
-        policy = PrefixScheduler(cached_cost_table(target), read_calibration(drafter_path))
+        policy = machine_scheduler(target, drafter_path)
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
           f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)

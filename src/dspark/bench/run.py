@@ -153,15 +153,11 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             drafters_meta[label] = drafter_info(path, drafters[label])
         engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
         if cfg.scheduled:
-            from dspark.decoding.policy import PrefixScheduler
-            from dspark.drafter.model import read_calibration
-            from dspark.scheduling.profile import cached_cost_table
+            from dspark.scheduling.profile import machine_scheduler
 
-            table = cached_cost_table(target)
             for label, d in drafters.items():
                 if d.confidence_head is not None:
-                    policy = PrefixScheduler(table, read_calibration(cfg.drafters[label]))
-                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, policy)
+                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, machine_scheduler(target, cfg.drafters[label]))
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)

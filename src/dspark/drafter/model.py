@@ -327,12 +327,6 @@ class DSparkDrafter(nn.Module):
         return drafter.to(target.dtype)
 
 
-def read_calibration(path: str | Path) -> list[float] | None:
-    """STS temperatures shipped beside a drafter (calibration.json, written by `dspark calibrate`), if any."""
-    file = Path(path) / "calibration.json"
-    return json.loads(file.read_text())["sts_temperatures"] if file.is_file() else None
-
-
 def read_checkpoint_meta(path: str | Path) -> dict:
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():

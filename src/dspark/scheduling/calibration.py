@@ -7,9 +7,15 @@ expected calibration error against observed prefix survival, earlier temperature
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+
+from dspark.errors import DSparkError
+
+CALIBRATION_FILE = "calibration.json"  # written beside a drafter by `dspark calibrate`
 
 GRID = torch.tensor([0.25, 0.35, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 5.0, 7.0, 10.0])
 
@@ -116,3 +122,17 @@ def reliability_plot(rounds: Rounds, temperatures: list[float], path, positions=
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def read_temperatures(file: str | Path) -> list[float]:
+    """STS temperatures from a calibration JSON written by `dspark calibrate`."""
+    try:
+        return json.loads(Path(file).read_text())["sts_temperatures"]
+    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise DSparkError(f"{file}: not a calibration file ({e}); make one with `dspark calibrate`") from e
+
+
+def drafter_temperatures(drafter_path: str | Path) -> list[float] | None:
+    """The calibration shipped beside a drafter, if it has one."""
+    file = Path(drafter_path) / CALIBRATION_FILE
+    return read_temperatures(file) if file.is_file() else None
