@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.drafter import DSparkConfig, DSparkDrafter
+from dspark.drafter import DSparkConfig, DSparkDrafter, new_drafter
 from dspark.target import Target
 
 
@@ -47,7 +47,7 @@ def tiny_drafter(target: Target, seed=1, **overrides) -> DSparkDrafter:
     torch.manual_seed(seed)
     fields = dict(block_size=5, num_draft_layers=1, markov_rank=8, mask_token_id=target.vocab_size - 1, num_anchors=8)
     fields.update(overrides)
-    drafter = DSparkDrafter.for_target(target, DSparkConfig(**fields))
+    drafter = new_drafter(target, DSparkConfig(**fields))
     with torch.no_grad():  # random, non-zero everywhere, so every head actually changes the logits
         for p in drafter.parameters():
             p.normal_(0, 0.3)
@@ -90,3 +90,67 @@ def tiny_run(tmp_path_factory):
     data = tmp / "train.jsonl"
     regenerate(Target.load(str(folder)), prompts, data, max_new_tokens=30, batch_size=8, progress=False)
     return folder, data
+
+
+class NoisyOracle:
+    """A proposer that knows the target, so that most drafts are accepted and every verification path runs.
+
+    Greedy: it drafts the target's own next tokens, each replaced by a random token with probability `noise` (at
+    random, per row and position). Sampling: it samples each draft from (1 - noise)·q + noise·uniform, q the target's
+    processed distribution given the drafts so far, and reports exactly that mixture. Confidence logits depend on
+    the drafted tokens (high after a draft that equals the target's argmax), as a real confidence head's do: that
+    dependence is what the scheduler's early stop must not leak into the output.
+
+    The engine must be given the prompts this oracle was built with, in the same order."""
+
+    def __init__(self, target, prompts, block_size=5, noise=0.3, seed=0):
+        self.target, self.prompts, self.block_size, self.noise = target, prompts, block_size, noise
+        self.target_layer_ids = [0]
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def eval(self):
+        return self
+
+    def new_cache(self, batch_size):
+        assert batch_size == len(self.prompts)
+        return OracleCache([list(p[:1]) for p in self.prompts])
+
+    def extend_context(self, cache, features, num_new, next_ids):
+        for b, n in enumerate(num_new.tolist()):
+            cache.histories[b].extend(next_ids[b, :n].tolist())
+
+    def propose(self, cache, anchor_ids, sampling, generators=None):
+        from dspark.decoding.requests import pad_prompts
+        from dspark.proposer import Proposal
+        from dspark.sampling import logits_to_probs, sample_rows
+
+        seqs = [list(h) for h in cache.histories]
+        assert [s[-1] for s in seqs] == anchor_ids.tolist()
+        batch, vocab = len(seqs), self.target.vocab_size
+        tokens, probs, conf = [], [], []
+        hit = torch.ones(batch, dtype=torch.bool)
+        for _ in range(self.block_size):
+            ids, lengths = pad_prompts(seqs, "cpu")
+            logits = self.target.forward_sequences(ids, lengths).logits[torch.arange(batch), lengths - 1]
+            conf.append(torch.where(hit, 2.0, -1.0) + 0.5 * torch.randn(batch, generator=self.generator))
+            if sampling.greedy:
+                draft = logits.argmax(-1)
+                noisy = torch.rand(batch, generator=self.generator) < self.noise
+                draft = torch.where(noisy, torch.randint(0, vocab, (batch,), generator=self.generator), draft)
+            else:
+                p = (1 - self.noise) * logits_to_probs(logits, sampling) + self.noise / vocab
+                draft = sample_rows(p, generators)
+                probs.append(p)
+            hit = draft == logits.argmax(-1)
+            tokens.append(draft)
+            for s, t in zip(seqs, draft.tolist()):
+                s.append(t)
+        return Proposal(torch.stack(tokens, 1), torch.stack(probs, 1) if probs else None, torch.stack(conf, 1))
+
+
+class OracleCache:
+    def __init__(self, histories):
+        self.histories = histories
+
+    def select(self, rows):
+        self.histories = [self.histories[i] for i in rows.tolist()]

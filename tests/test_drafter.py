@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
-from dspark.decoding.sampling import SamplingParams
-from dspark.drafter import DSparkConfig, DSparkDrafter
+from dspark.sampling import SamplingParams
+from dspark.drafter import DSparkConfig, load_drafter, new_drafter
 from dspark.drafter.heads import ConfidenceHead, GatedMarkovHead, RNNHead, VanillaMarkovHead
 from dspark.errors import DSparkError
 
@@ -147,7 +147,7 @@ def test_checkpoint_round_trip_is_bit_exact(target, tmp_path):
     drafter = tiny_drafter(target, markov_head_type="gated", draft_vocab_size=30)
     drafter.set_draft_vocab(torch.arange(60, 90))
     drafter.save(tmp_path / "d", target.identity())
-    loaded = DSparkDrafter.load(tmp_path / "d", target)
+    loaded = load_drafter(tmp_path / "d", target)
     a, b = drafter.state_dict(), loaded.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert not any("embed" in k or "lm_head" in k for k in a)  # the target's shared weights are not stored
@@ -160,17 +160,17 @@ def test_checkpoint_for_another_target_is_refused(target, tmp_path):
     tiny_drafter(target).save(tmp_path / "d", target.identity())
     other = tiny_target(vocab_size=101)
     with pytest.raises(DSparkError, match="trained for target"):
-        DSparkDrafter.load(tmp_path / "d", other)
+        load_drafter(tmp_path / "d", other)
 
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(DSparkError, match="not a drafter checkpoint"):
-        DSparkDrafter.load(tmp_path, tiny_target())
+        load_drafter(tmp_path, tiny_target())
 
 
 @pytest.mark.real
 def test_drafter_on_real_target_config(real_target):
-    drafter = DSparkDrafter.for_target(real_target, DSparkConfig(num_draft_layers=1, markov_rank=16))
+    drafter = new_drafter(real_target, DSparkConfig(num_draft_layers=1, markov_rank=16))
     assert drafter.config.target_layer_ids == [1, 8, 14, 21, 28]
     token = drafter.config.mask_token_id
     assert real_target.tokenizer.convert_ids_to_tokens(token) == "<empty_output>"
@@ -180,8 +180,9 @@ def test_drafter_on_real_target_config(real_target):
     feats = real_target.forward_sequences(ids, features=True).features
     drafter.extend_context(cache, feats, torch.tensor([ids.shape[1]]))
     proposal = drafter.propose(cache, torch.tensor([42]), SamplingParams())
-    assert proposal.tokens.shape == (1, 7) and proposal.confidence.shape == (1, 7)
-    assert ((proposal.confidence > 0) & (proposal.confidence < 1)).all()
+    confidence = torch.sigmoid(proposal.confidence_logits)
+    assert proposal.tokens.shape == (1, 7) and confidence.shape == (1, 7)
+    assert ((confidence > 0) & (confidence < 1)).all()
     # train forward == propose on the real dimensions (d=576, 5 fused layers, V=49152), teacher-forced
     with torch.no_grad():
         for p in drafter.markov_head.parameters():
@@ -212,4 +213,4 @@ def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
     out = drafter(features, forced, torch.tensor([[anchor]]))
     torch.testing.assert_close(torch.softmax(out.logits[0, 0], -1), proposal.probs[0], rtol=1e-4, atol=1e-5)
     drafter.save(tmp_path / "e", target.identity())
-    assert type(DSparkDrafter.load(tmp_path / "e", target)).__name__ == "EagleDrafter"
+    assert type(load_drafter(tmp_path / "e", target)).__name__ == "EagleDrafter"

@@ -8,8 +8,8 @@ import torch
 from conftest import tiny_drafter, tiny_target
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
-from dspark.decoding.policy import PrefixScheduler
-from dspark.decoding.sampling import SamplingParams
+from dspark.scheduling.planner import PrefixScheduler
+from dspark.sampling import SamplingParams
 from dspark.decoding.verify import verify_sampling
 from dspark.errors import DSparkError
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report

@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_target
 from dspark.decoding.plain import generate_plain
-from dspark.decoding.sampling import SamplingParams
+from dspark.sampling import SamplingParams
 from dspark.errors import DSparkError
 from dspark.target import default_layer_ids
 

@@ -260,21 +260,21 @@ def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
 def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
-    from dspark.drafter import DSparkDrafter
+    from dspark.drafter import load_drafter
     from dspark.target import Target
     from dspark.training.trainer import train
 
     folder, data = tiny_run
     train(tiny_config(folder, data, tmp_path / "run", max_steps=5), progress=False)
     target = Target.load(str(folder))
-    drafter = DSparkDrafter.load(tmp_path / "run" / "checkpoint", target)
+    drafter = load_drafter(tmp_path / "run" / "checkpoint", target)
     prompts = [[1, 7, 9, 3, 1], [1, 44, 3, 1]]
     expected = [r.token_ids for r in generate_plain(target, prompts, 20)]
     assert [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, 20)] == expected
 
 
 def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, tmp_path):
-    from dspark.drafter import DSparkDrafter
+    from dspark.drafter import load_drafter
     from dspark.target import Target
     from dspark.training.trainer import train
 
@@ -285,24 +285,34 @@ def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, t
     assert (tmp_path / "cache" / "index.json").exists()
     assert cached["tv"] == pytest.approx(online["tv"], rel=1e-3)
     train(tiny_config(folder, data, tmp_path / "dflash", max_steps=3, preset="dflash", markov_rank=None), progress=False)
-    d = DSparkDrafter.load(tmp_path / "dflash" / "checkpoint", Target.load(str(folder)))
+    d = load_drafter(tmp_path / "dflash" / "checkpoint", Target.load(str(folder)))
     assert d.markov_head is None and d.confidence_head is None
 
 
 @pytest.mark.slow
-def test_torchrun_two_processes(tiny_run, tmp_path):
+def test_torchrun_two_processes_equal_one_process_with_accumulation(tiny_run, tmp_path):
+    """2 DDP processes × batch 2 take the same steps as one process accumulating 2 micro-batches of 2: the same
+    batches, the same anchors, the same global loss, so the same weights (up to float summation order)."""
+    from dspark.training.trainer import train
+
     folder, data = tiny_run
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "-m", "dspark.cli",
            "train", "--data", str(data), "--out", str(out), "--model", str(folder), "--target-dtype", "float32",
            "--num-draft-layers", "1", "--markov-rank", "8", "--block-size", "4", "--batch-size", "2", "--max-steps", "4",
-           "--save-every", "2", "--target-layer-ids", "0,2", "--mask-token-id", "63", "--no-bf16", "--quiet", "--threads", "1"]
+           "--save-every", "2", "--target-layer-ids", "0,2", "--mask-token-id", "63", "--no-bf16", "--quiet",
+           "--threads", "1", "--num-anchors", "16", "--lr", "3e-3", "--seed", "3", "--holdout", "0.1"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from dspark.drafter import DSparkDrafter
-    from dspark.target import Target
-
-    DSparkDrafter.load(out / "checkpoint", Target.load(str(folder)))
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["loop"]["step"] == 4
+    train(tiny_config(folder, data, tmp_path / "single", max_steps=4, save_every=2, batch_size=2, grad_accum=2),
+          progress=False)
+    a = load_file(str(out / "checkpoint" / "model.safetensors"))
+    b = load_file(str(tmp_path / "single" / "checkpoint" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    assert state["loop"]["tokens"] == json.loads((tmp_path / "single" / "checkpoint" / "trainer_state.json")
+                                                 .read_text())["loop"]["tokens"]

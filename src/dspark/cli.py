@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.fsutil import check_output_dir, check_output_file
 
 
 # ---- shared argument groups ------------------------------------------------------------------------------------
@@ -15,27 +17,67 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"known target name or HF model folder (default {DEFAULT_TARGET})")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target precision")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0 = torch's default)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="1 = off")
     p.add_argument("--seed", type=int, default=None)
 
 
 def sampling_from(args):
-    from dspark.decoding.sampling import SamplingParams
+    from dspark.sampling import SamplingParams
 
     return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
 
 
 def positive_int(text: str) -> int:
-    value = int(text)
+    value = _int(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
     return value
+
+
+def nonnegative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def threads(text: str) -> int:
+    """0 (torch's default) up to a few times the machine's cores: more only thrashes."""
+    import os
+
+    value, most = _int(text), 4 * (os.cpu_count() or 1)
+    if not 0 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be between 0 (torch's default) and {most} on this machine, got {value}")
+    return value
+
+
+def finite_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    return [_int(x) for x in text.split(",")]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
 def default_eval_dir():
@@ -59,31 +101,39 @@ def load_target(args, layer_ids=None):
 
 
 def build_policy(args, target=None, drafter_path=None):
-    from dspark.decoding.policy import ConfidenceThreshold, FixedLength, PrefixScheduler
+    from dspark.decoding.policy import ConfidenceThreshold, FixedLength
 
-    if getattr(args, "schedule", False):
-        from dspark.scheduling.profile import machine_scheduler
+    if args.schedule or args.cost_table:
+        from dspark.scheduling.planner import build_scheduler
 
-        return machine_scheduler(target, drafter_path)
-    if getattr(args, "cost_table", None):
-        from dspark.scheduling.calibration import read_temperatures
-        from dspark.scheduling.profile import CostTable
-
-        temps = read_temperatures(args.calibration) if getattr(args, "calibration", None) else None
-        return PrefixScheduler(CostTable.load(args.cost_table), temps)
-    if getattr(args, "confidence_threshold", None) is not None:
+        return build_scheduler(target, drafter_path, args.cost_table, args.calibration)
+    if args.calibration:
+        raise DSparkError("--calibration sets the scheduler's temperatures; add --schedule (or --cost-table)")
+    if args.confidence_threshold is not None:
         return ConfidenceThreshold(args.confidence_threshold)
-    return FixedLength(getattr(args, "verify_length", None))
+    return FixedLength(args.verify_length)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verify-length", type=int, default=None, help="verify this many draft tokens per round (default γ)")
-    p.add_argument("--confidence-threshold", type=float, default=None, help="verify up to the first c_k below this")
-    p.add_argument("--schedule", action="store_true",
-                   help="confidence-scheduled verification with this machine's cost table (profiled once, cached) "
-                        "and the drafter's shipped calibration")
-    p.add_argument("--cost-table", help="cost table JSON (`dspark profile`): schedule verification lengths (Algorithm 1)")
+    """One way to choose verification lengths per command: the flags of the others are refused beside it."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--verify-length", type=nonnegative_int, default=None,
+                   help="verify this many draft tokens per round (default γ)")
+    g.add_argument("--confidence-threshold", type=finite_float, default=None, help="verify up to the first c_k below this")
+    g.add_argument("--schedule", action="store_true",
+                   help="confidence-scheduled verification (Algorithm 1) with this machine's cost table (profiled once, "
+                        "cached) and the drafter's shipped calibration; --cost-table / --calibration replace either")
+    p.add_argument("--cost-table", help="cost table JSON (`dspark profile`) for the scheduler (implies --schedule)")
     p.add_argument("--calibration", help="STS temperatures JSON (`dspark calibrate`) for the scheduler")
+
+
+def check_policy_args(args) -> None:
+    if args.cost_table and (args.verify_length is not None or args.confidence_threshold is not None):
+        raise DSparkError("--cost-table schedules verification; it cannot be combined with --verify-length or "
+                          "--confidence-threshold")
+    for name in ("cost_table", "calibration"):
+        if getattr(args, name) and not Path(getattr(args, name)).is_file():
+            raise DSparkError(f"--{name.replace('_', '-')} {getattr(args, name)} does not exist")
 
 
 class TextStream:
@@ -116,11 +166,27 @@ def cmd_models(args) -> int:
     return 0
 
 
+def check_drafter_arg(path) -> None:
+    """A --drafter that is not a checkpoint is refused before the target loads (seconds saved per typo)."""
+    from dspark.drafter import read_checkpoint_meta
+
+    if path:
+        read_checkpoint_meta(path)
+
+
 def cmd_generate(args) -> int:
     from dspark.decoding.plain import generate_plain
 
     if not args.prompt.strip():
         raise DSparkError("the prompt is empty; give the model something to answer")
+    if args.compare_plain and not args.drafter:
+        raise DSparkError("--compare-plain compares speculative decoding with plain decoding; add --drafter PATH")
+    if not args.drafter and (args.schedule or args.cost_table or args.calibration or args.verify_length is not None
+                             or args.confidence_threshold is not None):
+        raise DSparkError("verification flags (--schedule, --verify-length ...) apply to speculative decoding; "
+                          "add --drafter PATH")
+    check_policy_args(args)
+    check_drafter_arg(args.drafter)
     target = load_target(args)
     prompt = target.encode_chat(args.prompt)
     sampling = sampling_from(args)
@@ -129,9 +195,9 @@ def cmd_generate(args) -> int:
     engine = None
     if args.drafter:
         from dspark.decoding.engine import SpeculativeEngine
-        from dspark.drafter import DSparkDrafter
+        from dspark.drafter import load_drafter
 
-        engine = SpeculativeEngine(target, DSparkDrafter.load(args.drafter, target), build_policy(args, target, args.drafter))
+        engine = SpeculativeEngine(target, load_drafter(args.drafter, target), build_policy(args, target, args.drafter))
         result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
     else:
         result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
@@ -149,8 +215,6 @@ def cmd_generate(args) -> int:
         s = result.stats.to_dict()
         report.update(tau=s["tau"], accept_by_position=s["accept_by_position"], rounds=s["rounds"], spec_stats=s)
     if args.compare_plain:
-        if engine is None:
-            raise DSparkError("--compare-plain compares speculative decoding with plain decoding; add --drafter PATH")
         plain = generate_plain(target, [prompt], args.max_new_tokens, sampling)[0]
         report.update(
             plain_tokens_per_s=round(plain.tokens_per_s, 3),
@@ -174,18 +238,19 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     import textwrap
 
-    from dspark.bench.demo import run_demo, shipped_drafter
-    from dspark.drafter import DSparkDrafter
-
+    from dspark.assets import shipped_drafter
+    from dspark.bench.demo import run_demo
     from dspark.decoding.policy import FixedLength
-    from dspark.scheduling.profile import machine_scheduler
+    from dspark.drafter import load_drafter
+    from dspark.scheduling.planner import build_scheduler
 
-    target = load_target(args)
     drafter_path = args.drafter or shipped_drafter(args.model)
-    drafter = DSparkDrafter.load(drafter_path, target)
+    check_drafter_arg(drafter_path)
+    target = load_target(args)
+    drafter = load_drafter(drafter_path, target)
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
-        policy = machine_scheduler(target, drafter_path)
+        policy = build_scheduler(target, drafter_path)
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
           f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)
@@ -205,28 +270,42 @@ def cmd_demo(args) -> int:
     return 0 if all(r.identical for r in rows) or args.dtype != "float32" else 1
 
 
+def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise DSparkError(f"{flag} takes LABEL=PATH (e.g. {example}), got '{item}'")
+        pairs[label] = path
+    return pairs
+
+
 def cmd_bench(args) -> int:
     import os
+    import re
     import shlex
-    from pathlib import Path
 
-    from dspark.bench.demo import shipped_drafter
+    from dspark.assets import eval_path, shipped_drafter
     from dspark.bench.report import markdown_section, plots, write_section
     from dspark.bench.run import BenchConfig, run_bench
     from dspark.fsutil import atomic_write_json
 
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
+        raise DSparkError(f"--name {args.name!r} must be a plain name (letters, digits, '.', '_', '-'): it names the "
+                          "result files inside --out and a section of the markdown file")
+    drafters = parse_labelled(args.drafter or [f"dspark={shipped_drafter(args.model)}"], "--drafter",
+                              "dspark=runs/drafter/checkpoint")
+    for path in drafters.values():
+        check_drafter_arg(path)
+    for name in args.datasets:
+        eval_path(name)
+    out = check_output_dir(args.out, "--out")
+    check_output_file(args.markdown, "--markdown")
     setup_torch(args)
-    drafters = {}
-    for item in args.drafter or [f"dspark={shipped_drafter(args.model)}"]:
-        label, sep, path = item.partition("=")
-        if not sep or not label or not path:
-            raise DSparkError(f"--drafter takes LABEL=PATH (e.g. dspark=runs/drafter/checkpoint), got '{item}'")
-        drafters[label] = path
     cfg = BenchConfig(model=args.model, datasets=args.datasets, prompts_per_set=args.prompts_per_set,
                       max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, dtypes=args.dtypes,
                       drafters=drafters, peers=args.peers, seed=args.seed, scheduled=args.scheduled)
     run = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr))
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     command = env + "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -243,41 +322,65 @@ def cmd_bench(args) -> int:
 
 def cmd_bench_train(args) -> int:
     import shlex
-    from pathlib import Path
 
     from dspark.bench.report import write_section
     from dspark.bench.training import levers_markdown, time_levers
     from dspark.fsutil import atomic_write_json
 
+    out = check_output_dir(args.out, "--out")
+    check_output_file(args.markdown, "--markdown")
     setup_torch(args)
     base = dict(markov_rank=args.markov_rank, num_anchors=64, target_dtype="bfloat16")
     rows = time_levers(args.data, args.model, base, steps=args.steps, batch_size=args.batch_size)
     command = "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    atomic_write_json(Path(args.out) / "training-levers.json", {"command": command, "rows": rows})
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "training-levers.json", {"command": command, "rows": rows})
     write_section(Path(args.markdown), "training-levers", levers_markdown(rows, command))
     for r in rows:
         print(json.dumps(r))
     return 0
 
 
+# Files that travel with a drafter's weights: its calibration (the scheduler's temperatures) and its model card.
+DRAFTER_COMPANIONS = ("calibration.json", "MODEL_CARD.md")
+
+
 def cmd_export(args) -> int:
-    from dspark.drafter import DSparkDrafter
-    from dspark.drafter.model import read_checkpoint_meta
+    import shutil
+
+    from dspark.drafter import load_drafter, read_checkpoint_meta
+    from dspark.fsutil import atomic_dir
     from dspark.target import parse_dtype
 
-    meta = read_checkpoint_meta(args.checkpoint)
+    source, out = Path(args.checkpoint), Path(args.out)
+    meta = read_checkpoint_meta(source)
+    if out.exists() and not out.is_dir():
+        raise DSparkError(f"{out} is a file; export writes a folder. Choose another output path")
+    if out.exists() and out.resolve() == source.resolve():
+        raise DSparkError(f"{out} is the checkpoint being exported; write the export to another folder")
+    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
+        raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to replace it")
+    check_output_dir(out, "export folder")
     target = load_target(args)
-    drafter = DSparkDrafter.load(args.checkpoint, target)
+    drafter = load_drafter(source, target)
     extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
-    drafter.save(args.out, target.identity(), extra=extra, dtype=parse_dtype(args.dtype))
-    print(f"dspark: wrote {args.out} ({args.dtype})", file=sys.stderr)
+    with atomic_dir(out) as tmp:
+        drafter.save(tmp / "drafter", target.identity(), extra=extra, dtype=parse_dtype(args.dtype))
+        for name in ("config.json", "model.safetensors"):
+            (tmp / "drafter" / name).rename(tmp / name)
+        (tmp / "drafter").rmdir()
+        carried = [name for name in DRAFTER_COMPANIONS if (source / name).is_file()]
+        for name in carried:
+            shutil.copy2(source / name, tmp / name)
+    note = f", with {', '.join(carried)}" if carried else ", no calibration.json to carry (run `dspark calibrate`)"
+    print(f"dspark: wrote {out} ({args.dtype}){note}", file=sys.stderr)
     return 0
 
 
 def cmd_profile(args) -> int:
     from dspark.scheduling.profile import profile_target
 
+    check_output_file(args.out, "--out")
     target = load_target(args)
     table = profile_target(target, tuple(args.token_counts), args.context, args.repeats)
     table.save(args.out)
@@ -288,59 +391,53 @@ def cmd_profile(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    import torch
-
-    from dspark.bench.demo import eval_prompts
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.drafter import DSparkDrafter
+    from dspark.assets import eval_prompts
+    from dspark.drafter import load_drafter
     from dspark.fsutil import atomic_write_json
-    from dspark.scheduling.calibration import Rounds, fit_sts, reliability_plot, report
+    from dspark.scheduling.calibration import collect_rounds, fit_sts, reliability_plot, report
     from dspark.training.data import read_records
 
-    target = load_target(args)
-    drafter = DSparkDrafter.load(args.drafter, target)
-    if drafter.confidence_head is None:
-        raise DSparkError(f"{args.drafter} has no confidence head to calibrate")
+    check_drafter_arg(args.drafter)
+    check_output_file(args.out, "--out")
+    if args.plot:
+        check_output_file(args.plot, "--plot")
     if args.data:
         texts = [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in read_records(args.data)]
+        texts = texts[: args.limit]
     else:
         texts = [t for name in args.datasets for t in eval_prompts(name, args.limit)]
-    texts = texts[: args.limit * max(1, len(args.datasets) if not args.data else 1)]
-    logits, accepted, verified = [], [], []
-    engine = SpeculativeEngine(target, drafter)  # fixed γ: every position is observed
-    engine.generate([target.encode_chat(t) for t in texts], args.max_new_tokens,
-                    on_round=lambda r, c, ell, acc: (logits.append(c.float()), accepted.append(acc), verified.append(ell)))
-    gamma = drafter.block_size
-    k = torch.arange(gamma)
-    rounds = Rounds(torch.stack(logits), torch.tensor(accepted)[:, None] > k, torch.tensor(verified)[:, None] > k)
+    target = load_target(args)
+    drafter = load_drafter(args.drafter, target)
+    rounds = collect_rounds(target, drafter, [target.encode_chat(t) for t in texts], args.max_new_tokens)
     temps = fit_sts(rounds)
     rows = report(rounds, temps)
-    atomic_write_json(args.out, {"sts_temperatures": temps, "rounds": len(logits), "report": rows,
+    atomic_write_json(args.out, {"sts_temperatures": temps, "rounds": len(rounds.logits), "report": rows,
                                  "drafter": str(args.drafter), "prompts": len(texts)})
     if args.plot:
         reliability_plot(rounds, temps, args.plot)
     for r in rows:
         print(json.dumps(r))
-    print(f"dspark: {len(logits)} rounds; STS temperatures {temps}; wrote {args.out}", file=sys.stderr)
+    print(f"dspark: {len(rounds.logits)} rounds; STS temperatures {temps}; wrote {args.out}", file=sys.stderr)
     return 0
 
 
 def cmd_curves(args) -> int:
     import os
     import shlex
-    from pathlib import Path
 
     from dspark.bench.report import curves_table, training_curves, write_section
 
     runs = {}
-    for item in args.run:
-        label, sep, path = item.partition("=")
-        if not sep or not (Path(path) / "metrics.jsonl").exists():
-            raise DSparkError(f"--run takes LABEL=RUN_FOLDER with a metrics.jsonl, got '{item}'")
+    for label, path in parse_labelled(args.run, "--run", "dspark=runs/dspark").items():
+        if not (Path(path) / "metrics.jsonl").is_file():
+            raise DSparkError(f"--run {label}={path}: {path} has no metrics.jsonl (give a `dspark train` run folder)")
         runs[label] = Path(path)
     reference = args.reference or next(iter(runs))
     if reference not in runs:
         raise DSparkError(f"--reference '{reference}' is not one of the --run labels ({', '.join(runs)})")
+    check_output_file(args.out, "--out")
+    if args.markdown:
+        check_output_file(args.markdown, "--markdown")
     curves = training_curves(runs, Path(args.out))
     if not all(curves.values()):
         raise DSparkError(f"runs without a held-out evaluation yet: {', '.join(k for k, v in curves.items() if not v)}")
@@ -359,6 +456,7 @@ def cmd_prompts(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts
 
+    check_output_file(args.out, "--out")
     records, report = build_prompts(args.count, args.seed, args.eval_dir)
     atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     atomic_write_json(str(args.out) + ".report.json", report)
@@ -368,13 +466,17 @@ def cmd_prompts(args) -> int:
 
 def cmd_regenerate(args) -> int:
     from dspark.training.data import read_records
-    from dspark.training.regenerate import regenerate
+    from dspark.training.regenerate import completed_ids, regenerate
 
-    records = read_records(args.prompts)
+    prompts, out = Path(args.prompts), check_output_file(args.out, "--out")
+    if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
+        raise DSparkError(f"--out {out} is the prompts file; regeneration appends answers to a file of its own")
+    records = read_records(prompts)
     if args.limit:
         records = records[: args.limit]
+    completed_ids(out)  # an --out that is not regenerate output is refused before the target loads
     target = load_target(args)
-    report = regenerate(target, records, args.out, args.max_new_tokens, args.batch_size, sampling_from(args))
+    report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args))
     print(json.dumps(report))
     return 0
 
@@ -382,28 +484,51 @@ def cmd_regenerate(args) -> int:
 def cmd_train(args) -> int:
     from dataclasses import fields
 
-    from dspark.training.trainer import TrainConfig, train
+    from dspark.training.trainer import TrainConfig, resumed_config, train
 
-    setup_torch(args)
+    given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     if args.resume:
-        from pathlib import Path
-
-        saved = Path(args.out) / "checkpoint" / "trainer_state.json"
-        if not saved.exists():
-            raise DSparkError(f"--resume: {saved} does not exist; start the run without --resume")
-        cfg = TrainConfig.from_dict(json.loads(saved.read_text())["train_config"])
+        given.pop("out")
+        cfg = resumed_config(args.out, given)
     else:
         if not args.data:
             raise DSparkError("--data is required (regenerated JSONL from `dspark regenerate`)")
-        given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
         cfg = TrainConfig(**given)
+        if not Path(cfg.data).is_file():
+            raise DSparkError(f"--data {cfg.data} does not exist")
+        if (Path(cfg.out) / "checkpoint").exists():
+            raise DSparkError(f"{cfg.out} already holds a run; continue it with --resume, or choose a new --out")
+    if cfg.init_from:
+        check_drafter_arg(cfg.init_from)
+    check_output_dir(cfg.out, "--out")
+    setup_torch(args)
     result = train(cfg, resume=args.resume, progress=not args.quiet)
     print(json.dumps(result))
     return 0
 
 
 # ---- parser ----------------------------------------------------------------------------------------------------
+def add_config_flags(p: argparse.ArgumentParser, config_cls, skip=()) -> None:
+    """One flag per field of a config dataclass, from the field's type, default and help: an option is declared once,
+    in the dataclass. Every flag defaults to None so that only what the user typed overrides the config."""
+    import dataclasses
+
+    types = {"int": int, "float": finite_float, "str": str, "list[int]": int_list}
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip:
+            continue
+        name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+        kind = f.type.replace(" | None", "")
+        common = dict(dest=f.name, default=None, help=f.metadata["help"])
+        if kind == "bool":
+            p.add_argument(name, action=argparse.BooleanOptionalAction, **common)
+        else:
+            p.add_argument(name, type=types[kind], choices=f.metadata.get("choices"), **common)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from dspark.models import DEFAULT_TARGET
+
     parser = argparse.ArgumentParser(prog="dspark", description=__import__("dspark").__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -432,13 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="τ, speed, agreement and memory of every method, side by side")
-    p.add_argument("--model", default=__import__("dspark.models", fromlist=["x"]).DEFAULT_TARGET)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", default=DEFAULT_TARGET)
+    p.add_argument("--threads", type=threads, default=0)
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"],
                    help="evaluation set names or JSONL paths of {\"turns\": [...]} records")
     p.add_argument("--prompts-per-set", type=positive_int, default=3)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--temperatures", type=finite_float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     p.add_argument("--drafter", action="append", help="LABEL=PATH, repeatable (default: dspark=<shipped drafter>)")
     p.add_argument("--peers", nargs="*", default=["hf", "hf-lookup"], choices=["hf", "hf-lookup"])
@@ -452,25 +577,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench-train", help="cost of a training step under each efficiency lever")
     p.add_argument("--data", required=True, help="regenerated JSONL")
-    p.add_argument("--model", default=__import__("dspark.models", fromlist=["x"]).DEFAULT_TARGET)
-    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--model", default=DEFAULT_TARGET)
+    p.add_argument("--threads", type=threads, default=0)
     p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--batch-size", type=positive_int, default=4)
-    p.add_argument("--markov-rank", type=int, default=64)
+    p.add_argument("--markov-rank", type=nonnegative_int, default=64)
     p.add_argument("--out", default="bench")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_train)
 
     p = sub.add_parser("export", help="write a drafter checkpoint in another precision (e.g. bfloat16 to ship)")
     p.add_argument("checkpoint")
-    p.add_argument("out")
+    p.add_argument("out", help="a new folder (the calibration and model card travel with the weights)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
     add_target_args(p)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("profile", help="measure the verify cost table SPS(B) of this machine (JSON)")
     add_target_args(p)
     p.add_argument("--out", required=True)
-    p.add_argument("--token-counts", type=int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
+    p.add_argument("--token-counts", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
     p.add_argument("--context", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=7)
     p.set_defaults(func=cmd_profile)
@@ -491,8 +617,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference", help="label the others are compared with (default: the first --run)")
     p.add_argument("--out", required=True, help="PNG path")
     p.add_argument("--markdown", help="also write the comparison table as a section of this file (BENCHMARKS.md)")
-    p.add_argument("--at-tokens", type=float, help="compare at this many training tokens (default: the furthest common)")
-    p.add_argument("--at-minutes", type=float, help="compare at this training time (default: the furthest common)")
+    p.add_argument("--at-tokens", type=finite_float, help="compare at this many training tokens (default: the furthest common)")
+    p.add_argument("--at-minutes", type=finite_float, help="compare at this training time (default: the furthest common)")
     p.set_defaults(func=cmd_curves)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
@@ -509,54 +635,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=384)
     p.add_argument("--batch-size", type=positive_int, default=32)
-    p.add_argument("--limit", type=int, default=0, help="only the first N records (0 = all)")
+    p.add_argument("--limit", type=nonnegative_int, default=0, help="only the first N records (0 = all)")
     p.set_defaults(func=cmd_regenerate)
 
+    from dspark.training.trainer import TrainConfig
+
     p = sub.add_parser("train", help="train a drafter for a target (alone or under torchrun)")
-    p.add_argument("--data", help="training JSONL (regenerated chat records)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, metrics.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out exactly where it stopped")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --out exactly where it stopped (only how long it runs may change)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--threads", type=int, default=0)
-    p.add_argument("--model", help="target (known name or HF folder)")
-    p.add_argument("--target-dtype", choices=["float32", "bfloat16"])
-    p.add_argument("--preset", choices=["dspark", "dflash", "eagle3", "mtp1"])
-    g = p.add_argument_group("drafter")
-    g.add_argument("--block-size", type=positive_int)
-    g.add_argument("--num-draft-layers", type=positive_int)
-    g.add_argument("--markov-rank", type=int)
-    g.add_argument("--markov-head-type", choices=["vanilla", "gated", "rnn"])
-    g.add_argument("--no-confidence-head", dest="enable_confidence_head", action="store_false", default=None)
-    g.add_argument("--draft-vocab-size", type=int, help="0 = the target's whole vocabulary")
-    g.add_argument("--feature-norm", action="store_true", default=None)
-    g.add_argument("--target-layer-ids", type=lambda t: [int(x) for x in t.split(",")], help="e.g. 1,8,14,21,28")
-    g.add_argument("--mask-token-id", type=int, help="default: an unused token of the target")
-    g.add_argument("--no-init-target-layers", dest="init_target_layers", action="store_false", default=None)
-    g.add_argument("--init-from", help="continue training an existing drafter checkpoint")
-    g = p.add_argument_group("loss")
-    g.add_argument("--ce-weight", type=float)
-    g.add_argument("--tv-weight", type=float)
-    g.add_argument("--conf-weight", type=float)
-    g.add_argument("--decay", type=float, help="position weight exp(-(k-1)/decay); <= 0 disables")
-    g.add_argument("--target-topk", type=int, help="keep the target distribution's top K (0 = full)")
-    g.add_argument("--num-anchors", type=positive_int)
-    g.add_argument("--max-length", type=positive_int)
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--epochs", type=float)
-    g.add_argument("--max-steps", type=int)
-    g.add_argument("--batch-size", type=positive_int)
-    g.add_argument("--grad-accum", type=positive_int)
-    g.add_argument("--lr", type=float)
-    g.add_argument("--warmup-ratio", type=float)
-    g.add_argument("--weight-decay", type=float)
-    g.add_argument("--clip", type=float)
-    g.add_argument("--no-bf16", dest="bf16", action="store_false", default=None)
-    g.add_argument("--device", help="auto (default: this rank's GPU if CUDA is available, else CPU), cpu, cuda:N")
-    g.add_argument("--feature-cache", help="folder for the on-disk target feature cache (built on first use)")
-    g.add_argument("--holdout", type=float)
-    g.add_argument("--eval-every", type=positive_int)
-    g.add_argument("--save-every", type=positive_int)
-    g.add_argument("--seed", type=int)
+    p.add_argument("--threads", type=threads, default=0)
+    add_config_flags(p, TrainConfig, skip=("out",))
     p.set_defaults(func=cmd_train)
     return parser
 

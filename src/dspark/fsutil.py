@@ -1,7 +1,10 @@
-"""Atomic writes: a reader (or a resumed run) sees the old version or the new one, never half of one."""
+"""Files on disk: atomic writes (a reader or a resumed run sees the old version or the new one, never half of one),
+JSONL reading that splits records on newlines only, and checks that an output path is usable before any compute."""
 
 from __future__ import annotations
 
+import ctypes
+import gzip
 import json
 import os
 import shutil
@@ -9,13 +12,15 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
+from dspark.errors import DSparkError
+
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -44,11 +49,45 @@ def atomic_write_json(path: str | Path, data) -> None:
     atomic_write_text(path, json.dumps(data, indent=2) + "\n")
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one atomic step (Linux renameat2). False where the system cannot."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _old_copies(path: Path) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
+
+
+def recover_dir(path: str | Path) -> None:
+    """Undo a replacement that was killed half-way (old folder moved aside, new one not yet in): put the old back."""
+    path = Path(path)
+    olds = _old_copies(path) if path.parent.is_dir() else []
+    if not path.exists() and olds:
+        os.replace(olds.pop(), path)
+    for stale in olds:
+        shutil.rmtree(stale, ignore_errors=True)
+
+
 @contextmanager
 def atomic_dir(path: str | Path):
-    """Yield a temporary folder beside `path`; on success it replaces `path` (an existing folder is swapped out)."""
+    """Yield a temporary folder beside `path`; on success it replaces `path`. At every instant `path` holds either
+    the old folder or the new one: the two are exchanged in one step where the system allows, else the old one is
+    moved aside first and `recover_dir` (run by every later writer and reader) puts it back after a kill."""
     path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DSparkError(f"{path} is a file, not a folder; choose another output path")
     path.parent.mkdir(parents=True, exist_ok=True)
+    recover_dir(path)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
     try:
         yield tmp
@@ -56,6 +95,9 @@ def atomic_dir(path: str | Path):
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _public(tmp)
+    if path.exists() and _exchange(tmp, path):
+        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
+        return
     old = None
     if path.exists():
         old = path.parent / f".{path.name}.old-{os.getpid()}"
@@ -63,3 +105,69 @@ def atomic_dir(path: str | Path):
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def jsonl_lines(path: str | Path) -> list[tuple[int, str]]:
+    """(line number, text) of every non-blank line of a JSONL file (gzipped when it ends in .gz).
+
+    Records are split on '\\n' only: str.splitlines() also splits on U+2028 and friends, which JSON strings may hold."""
+    path = Path(path)
+    if not path.is_file():
+        raise DSparkError(f"{path} does not exist or is not a file")
+    gz = path.suffix == ".gz"
+    try:
+        raw = gzip.decompress(path.read_bytes()) if gz else path.read_bytes()
+        text = raw.decode("utf-8")
+    except (OSError, EOFError, gzip.BadGzipFile) as e:
+        raise DSparkError(f"{path}: cannot read it{' as gzipped UTF-8 text' if gz else ''} ({e}); data files are "
+                          "JSONL, .jsonl.gz or .txt") from e
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DSparkError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#x}); save the file as UTF-8") from e
+    return [(n, line) for n, line in enumerate(text.split("\n"), 1) if line.strip()]
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Every record of a JSONL file; a bad line is reported with its file and line number."""
+    records = []
+    for n, line in jsonl_lines(path):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DSparkError(f"{path}:{n}: not valid JSON ({e.msg} at column {e.colno})") from e
+        if not isinstance(record, dict):
+            raise DSparkError(f"{path}:{n}: each line must be a JSON object")
+        records.append(record)
+    return records
+
+
+def check_output_file(path: str | Path, what: str = "output file") -> Path:
+    """Fail before any compute if `path` cannot be written as a file."""
+    path = Path(path)
+    if path.is_dir():
+        raise DSparkError(f"{what} {path} is a folder; give a file path")
+    _check_parent_writable(path, what)
+    return path
+
+
+def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
+    """Fail before any compute if `path` cannot be created or written as a folder."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise DSparkError(f"{what} {path} is a file; give a folder path")
+    if path.is_dir():
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise DSparkError(f"{what} {path} is not writable; choose a folder you can write to")
+        return path
+    _check_parent_writable(path, what)
+    return path
+
+
+def _check_parent_writable(path: Path, what: str) -> None:
+    parent = path.parent
+    while not parent.exists():  # the nearest existing ancestor is where the folders will be created
+        parent = parent.parent
+    if not parent.is_dir():
+        raise DSparkError(f"{what} {path}: {parent} is a file, so nothing can be created under it")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise DSparkError(f"{what} {path}: {parent} is not writable; choose a path you can write to")

@@ -138,8 +138,12 @@ def list_targets() -> list[dict]:
     return rows
 
 
-def fingerprint(config, tokenizer) -> str:
-    """Identity of a target for drafter checkpoints: architecture shape and the exact vocabulary."""
+def fingerprint(config, tokenizer, model=None) -> str:
+    """Identity of a target for drafter checkpoints and regenerated data: architecture shape, the exact vocabulary
+    and a sample of the weights (64 evenly spaced values of every tensor, rounded to bfloat16 so the same weights
+    loaded in float32 or bfloat16 agree), so a fine-tune of the same model is a different target."""
+    import torch
+
     h = hashlib.sha256()
     shape = {
         k: getattr(config, k, None)
@@ -149,4 +153,11 @@ def fingerprint(config, tokenizer) -> str:
     vocab = tokenizer.get_vocab()
     for token, idx in sorted(vocab.items(), key=lambda kv: kv[1]):
         h.update(f"{idx}:{token}\n".encode())
+    if model is not None:
+        for name, tensor in sorted(model.state_dict().items()):
+            flat = tensor.detach().reshape(-1)
+            count = min(64, flat.numel())
+            picked = flat[torch.arange(count) * (flat.numel() - 1) // max(1, count - 1)]
+            h.update(name.encode())
+            h.update(picked.to(torch.bfloat16).view(torch.int16).cpu().numpy().tobytes())
     return h.hexdigest()[:16]

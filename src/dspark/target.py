@@ -8,6 +8,7 @@ here knows about drafting. Works for any HF causal LM whose decoder reports `hid
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -29,7 +30,7 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
 
 
 def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
-    """`count` decoder layers spread evenly over [1, L-2]; never the final layer (SPEC §2)."""
+    """`count` decoder layers spread evenly over [1, L-2]; never the final layer (docs/design.md §2)."""
     lo, hi = 1, num_layers - 2
     if hi < lo:
         raise DSparkError(f"a target needs at least 3 decoder layers to feed a drafter (it has {num_layers})")
@@ -108,6 +109,10 @@ class Target:
         return self.config.hidden_size
 
     @property
+    def context_window(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
     def vocab_size(self) -> int:
         return self.lm_head.weight.shape[0]
 
@@ -115,9 +120,9 @@ class Target:
     def embed_tokens(self) -> torch.nn.Embedding:
         return self.model.get_input_embeddings()
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        return models.fingerprint(self.config, self.tokenizer)
+        return models.fingerprint(self.config, self.tokenizer, self.model)
 
     @property
     def stop_token_ids(self) -> set[int]:
@@ -178,16 +183,18 @@ class Target:
         num_new: torch.Tensor | None = None,
         *,
         logits: bool | str = True,
-        features: bool = False,
+        features: bool | list[int] = False,
         last_hidden: bool = False,
     ) -> TargetOutput:
         """Append input_ids [B, n] to the cache (row b: its first num_new[b] are real, the rest padding).
 
         logits: True for every new position, "last" for each row's last real one only ([B, 1, V]; what a prefill
-        needs: the LM head over a whole prompt is most of a prefill's cost), False for none."""
+        needs: the LM head over a whole prompt is most of a prefill's cost), False for none.
+        features: the outputs of these decoder layers, concatenated (True: the target's default `layer_ids`)."""
         batch, width = input_ids.shape
         if num_new is None:
             num_new = torch.full((batch,), width, dtype=torch.long, device=input_ids.device)
+        layer_ids = self.layer_ids if features is True else (features or [])
         positions = cache.slots.append(num_new, width)
         mask = None if cache.slots.is_contiguous() else cache.slots.attention_mask(width)
         out = self.decoder(
@@ -196,7 +203,7 @@ class Target:
             attention_mask=mask,
             cache=cache.kv,
             use_cache=True,
-            output_hidden_states=features,
+            output_hidden_states=bool(features),
         )
         hidden = out.last_hidden_state
         scored = hidden
@@ -204,7 +211,7 @@ class Target:
             scored = hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None]
         return TargetOutput(
             logits=self.logits_from_hidden(scored) if logits else None,
-            features=torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if features else None,
+            features=torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1) if layer_ids else None,
             last_hidden=hidden if last_hidden else None,
         )
 

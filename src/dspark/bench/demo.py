@@ -2,41 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
+from dspark.assets import eval_prompts
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
-from dspark.errors import DSparkError
-
-DATA = Path(__file__).resolve().parent.parent / "data"
-SHIPPED = {"smollm2-135m-instruct": DATA / "drafters" / "smollm2-135m-instruct"}
-EVAL_SETS = ("humaneval", "gsm8k", "mt-bench", "mbpp", "math500")
-
-
-def eval_path(name_or_path: str) -> Path:
-    """An evaluation set by name (shipped copy) or a JSONL path of {"turns": [...]} records."""
-    path = DATA / "eval" / f"{name_or_path}.jsonl"
-    if path.is_file():
-        return path
-    path = Path(name_or_path)
-    if path.is_file():
-        return path
-    raise DSparkError(f"unknown evaluation set '{name_or_path}': use one of {', '.join(EVAL_SETS)} or a JSONL path")
-
-
-def eval_prompts(name_or_path: str, count: int, offset: int = 0) -> list[str]:
-    """First user turn of `count` records (the paper's protocol)."""
-    lines = [json.loads(x) for x in eval_path(name_or_path).read_text().splitlines() if x.strip()]
-    return [r["turns"][0] for r in lines[offset : offset + count]]
-
-
-def shipped_drafter(model: str) -> Path:
-    path = SHIPPED.get(model)
-    if path is None or not (path / "model.safetensors").is_file():
-        raise DSparkError(f"no drafter ships for '{model}'; pass --drafter PATH (train one with `dspark train`)")
-    return path
 
 
 @dataclass

@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from dspark.fsutil import atomic_write_text
+from dspark.fsutil import atomic_write_text, read_jsonl
 
 PEER_LABELS = {"plain": "dspark plain (reference)", "hf": "HF generate", "hf-lookup": "HF prompt lookup"}
 SPEED_GOAL_SETS = ("humaneval", "gsm8k", "mt-bench")
@@ -212,7 +212,7 @@ def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
 
     curves = {}
     for label, folder in runs.items():
-        rows = [json.loads(x) for x in (Path(folder) / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        rows = read_jsonl(Path(folder) / "metrics.jsonl")
         curves[label] = [{"step": r["step"], "seconds": r["seconds"], "tokens": r["tokens"], "tau": r["tau_greedy"]}
                          for r in rows if "tau_greedy" in r]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))

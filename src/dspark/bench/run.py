@@ -19,10 +19,10 @@ from pathlib import Path
 import psutil
 import torch
 
-from dspark.bench.demo import eval_prompts
+from dspark.assets import eval_prompts
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
-from dspark.decoding.sampling import SamplingParams
+from dspark.sampling import SamplingParams
 from dspark.decoding.stats import SpecStats, merged
 
 PEERS = ("hf", "hf-lookup")
@@ -140,7 +140,7 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
-    from dspark.drafter import DSparkDrafter
+    from dspark.drafter import load_drafter
     from dspark.target import Target
 
     results, drafters_meta, target_mb = [], {}, {}
@@ -149,15 +149,15 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         target_mb[dtype] = weights_mb(target.model)
         drafters = {}
         for label, path in cfg.drafters.items():
-            drafters[label] = DSparkDrafter.load(path, target)
+            drafters[label] = load_drafter(path, target)
             drafters_meta[label] = drafter_info(path, drafters[label])
         engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
         if cfg.scheduled:
-            from dspark.scheduling.profile import machine_scheduler
+            from dspark.scheduling.planner import build_scheduler
 
             for label, d in drafters.items():
                 if d.confidence_head is not None:
-                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, machine_scheduler(target, cfg.drafters[label]))
+                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, build_scheduler(target, cfg.drafters[label]))
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)

@@ -27,7 +27,7 @@ LEVERS = {
 
 def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: int = 4, workdir: str = "runs/levers",
                 levers: dict | None = None) -> list[dict]:
-    from dspark.drafter import DSparkDrafter
+    from dspark.drafter import new_drafter
     from dspark.target import Target
 
     levers = levers or LEVERS
@@ -36,10 +36,10 @@ def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: i
     for name, overrides in levers.items():
         settings = dict(base, **{k: v for k, v in overrides.items() if k != "feature_cache"})
         cfg = TrainConfig(data=data, out=workdir, model=model, batch_size=batch_size, **settings)
-        train_set, _ = load_examples(target.tokenizer, data, cfg.max_length, holdout=0.0)
+        train_set, _ = load_examples(target, data, cfg.max_length, holdout=0.0)
         batches = [train_set[i * batch_size : (i + 1) * batch_size] for i in range(steps + 1)]
         used = [e for b in batches for e in b]
-        drafter = DSparkDrafter.for_target(target, cfg.drafter_config()).float()
+        drafter = new_drafter(target, cfg.drafter_config()).float()
         if cfg.draft_vocab_size:
             drafter.set_draft_vocab(draft_vocabulary(train_set, cfg.draft_vocab_size, target.vocab_size)[0])
         source = OnlineFeatures(target, cfg.target_topk)

@@ -1,4 +1,4 @@
-"""The speculative decoding loop (SPEC §4), for one request or a ragged batch of them.
+"""The speculative decoding loop (docs/design.md §4), for one request or a ragged batch of them.
 
 One round, per the paper's Figure 1: the drafter proposes γ tokens after each anchor -> the policy picks how many
 to verify -> the target scores [anchor, drafts] in one forward -> accept a prefix and take the target's next token
@@ -13,15 +13,16 @@ import torch
 
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
-from dspark.decoding.sampling import SamplingParams, next_token
+from dspark.sampling import SamplingParams, next_token
 from dspark.decoding.stats import SpecStats
+from dspark.proposer import Proposer
 from dspark.decoding.verify import verify_greedy, verify_sampling
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter, policy=None):
-        target.validate_layer_ids(drafter.config.target_layer_ids)
-        target.layer_ids = list(drafter.config.target_layer_ids)
+    def __init__(self, target, drafter: Proposer, policy=None):
+        target.validate_layer_ids(drafter.target_layer_ids)
+        self.layer_ids = list(drafter.target_layer_ids)  # the features this drafter reads, asked for per forward
         self.target = target
         self.drafter = drafter.eval()
         self.policy = policy or FixedLength()
@@ -44,7 +45,7 @@ class SpeculativeEngine:
         sees every round (calibration records them)."""
         target, drafter, device = self.target, self.drafter, self.target.device
         stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
-        requests = [RequestState(i, p, max_new_tokens, stop) for i, p in enumerate(prompts)]
+        requests = [RequestState(i, p, max_new_tokens, stop, target.context_window) for i, p in enumerate(prompts)]
         stats = [SpecStats(self.gamma) for _ in requests]
         generators = sampling.generators(len(prompts))
         start = time.perf_counter()
@@ -52,7 +53,7 @@ class SpeculativeEngine:
         # Prefill: the target reads each prompt and says its first token, the anchor of round one.
         tcache, dcache = target.new_cache(len(prompts)), drafter.new_cache(len(prompts))
         ids, lengths = pad_prompts(prompts, device)
-        out = target.forward(tcache, ids, lengths, logits="last", features=True)
+        out = target.forward(tcache, ids, lengths, logits="last", features=self.layer_ids)
         anchors = next_token(out.logits[:, 0], sampling, generators)
         drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
         active = list(range(len(prompts)))
@@ -83,7 +84,7 @@ class SpeculativeEngine:
             t1 = time.perf_counter()
             width = int(ell.max()) + 1
             verify_ids = torch.cat([anchors[:, None], proposal.tokens], dim=1)[:, :width]
-            out = target.forward(tcache, verify_ids, ell + 1, features=True)
+            out = target.forward(tcache, verify_ids, ell + 1, features=self.layer_ids)
             if sampling.greedy:
                 accepted, anchors = verify_greedy(out.logits, proposal.tokens, ell)
             else:

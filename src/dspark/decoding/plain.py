@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 
 from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
-from dspark.decoding.sampling import SamplingParams, next_token
+from dspark.sampling import SamplingParams, next_token
 from dspark.target import Target
 
 
@@ -40,7 +40,7 @@ def stream_plain(
     while rows or queue:
         if queue and (max_batch - len(rows) >= min(admit_at, len(queue)) or not rows):
             batch = [queue.popleft() for _ in range(min(max_batch - len(rows), len(queue)))]
-            states = [RequestState(admitted + i, prompt, max_new_tokens, stop) for i, (_, prompt) in enumerate(batch)]
+            states = [RequestState(admitted + i, prompt, max_new_tokens, stop, target.context_window) for i, (_, prompt) in enumerate(batch)]
             gens = SamplingParams(seed=None if sampling.seed is None else sampling.seed + admitted).generators(len(batch))
             admitted += len(batch)
             fresh = target.new_cache(len(batch))
@@ -82,7 +82,7 @@ def generate_plain(
 ) -> list[GenerationResult]:
     """Decode every prompt, one token per target forward; results in prompt order."""
     for i, p in enumerate(prompts):
-        RequestState(i, p, max_new_tokens, set())  # refuse bad requests before any compute
+        RequestState(i, p, max_new_tokens, set(), target.context_window)  # refuse bad requests before any compute
     queue = deque(enumerate(prompts))
     results = dict(stream_plain(target, queue, max_batch or len(prompts), max_new_tokens, sampling, stop_token_ids, on_tokens))
     return [results[i] for i in range(len(prompts))]

@@ -1,5 +1,7 @@
 """Verification-length policies: how many of the γ draft tokens each request sends to the target this round.
 
+Fixed length and the static confidence threshold live here; the cost-aware prefix scheduler in scheduling/planner.py.
+
 A policy sees the round's confidence logits ([B, γ], None for drafters without a confidence head) and returns
 ℓ_r ∈ [0, γ] per request. The decision for position k may depend only on what was drafted before k (a stopping
 rule), or verification stops being lossless.
@@ -51,38 +53,3 @@ class ConfidenceThreshold:
 
     def describe(self) -> str:
         return f"threshold({self.threshold})"
-
-
-class PrefixScheduler:
-    """Confidence-scheduled verification, Algorithm 1 of the paper (SPEC §5).
-
-    Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
-    from ℓ = 0 for every request (B = R tokens, τ = R), each admission sets ℓ_r = j, B += 1, τ += a_{r,j}, and is
-    kept while Θ = τ · SPS(B) improves. The search stops at the first admission that does not improve Θ: looking
-    further would let the token sampled at j decide whether j is verified (Appendix A), which biases the output.
-    """
-
-    def __init__(self, cost, temperatures: list[float] | None = None):
-        self.cost = cost
-        self.temperatures = temperatures
-
-    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
-        # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
-        order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
-        values = survival.flatten().tolist()
-        ell = [0] * batch
-        tokens, tau = batch, float(batch)
-        best = tau * self.cost.sps(tokens)
-        for idx in order:
-            r, j = divmod(idx, gamma)
-            if j != ell[r]:
-                break  # only reachable through a tie across positions; stopping is always safe
-            theta = (tau + values[idx]) * self.cost.sps(tokens + 1)
-            if theta <= best:
-                break
-            ell[r], tokens, tau, best = j + 1, tokens + 1, tau + values[idx], theta
-        return torch.tensor(ell, dtype=torch.long)
-
-    def describe(self) -> str:
-        return "prefix scheduler" + (" (STS-calibrated)" if self.temperatures else "")

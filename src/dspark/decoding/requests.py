@@ -28,6 +28,7 @@ class RequestState:
     prompt: list[int]
     max_new_tokens: int
     stop_token_ids: set[int]
+    context_window: int | None = None  # the model's maximum sequence length: prompt + output never exceed it
     output: list[int] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -36,6 +37,11 @@ class RequestState:
             raise DSparkError(f"prompt {self.index} is empty; every request needs at least one token")
         if self.max_new_tokens <= 0:
             raise DSparkError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.context_window:
+            if len(self.prompt) >= self.context_window:
+                raise DSparkError(f"prompt {self.index} has {len(self.prompt)} tokens, but the model's context window "
+                                  f"is {self.context_window}; shorten the prompt")
+            self.max_new_tokens = min(self.max_new_tokens, self.context_window - len(self.prompt))
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,4 @@
-"""Verification (SPEC §4): which draft tokens the target keeps, and the token it adds after them.
+"""Verification (docs/design.md §4): which draft tokens the target keeps, and the token it adds after them.
 
 Both rules return, per row, the number of accepted draft tokens a ∈ [0, ℓ] and the next token: the target's own
 token at the first mismatch/rejection, or the bonus token after ℓ accepted drafts. τ = a + 1.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decoding.sampling import SamplingParams, logits_to_probs
+from dspark.sampling import SamplingParams, logits_to_probs
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor):

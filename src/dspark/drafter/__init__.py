@@ -1,6 +1,7 @@
 """The DSpark drafter: fused target features, KV-injected parallel backbone, sequential and confidence heads."""
 
 from dspark.drafter.config import DSparkConfig
-from dspark.drafter.model import DraftCache, DSparkDrafter, Proposal
+from dspark.drafter.model import DraftCache, DSparkDrafter
+from dspark.drafter.registry import load_drafter, new_drafter, read_checkpoint_meta
 
-__all__ = ["DSparkConfig", "DSparkDrafter", "DraftCache", "Proposal"]
+__all__ = ["DSparkConfig", "DSparkDrafter", "DraftCache", "load_drafter", "new_drafter", "read_checkpoint_meta"]

@@ -1,5 +1,5 @@
 """The parallel backbone: fused target features injected as extra keys/values into decoder layers of the target's
-own family (SPEC §2.1, §2.3).
+own family (docs/design.md §2.1, §2.3).
 
 The layers are the family's own HF decoder-layer modules, so weights carry the target's names
 (`layers.N.self_attn.q_proj` ...) and can be initialised from the target's layers; only their forward is ours:

@@ -1,4 +1,4 @@
-"""DSparkConfig: every knob of the drafter (SPEC §2), validated against the target it drafts for."""
+"""DSparkConfig: every knob of the drafter (docs/design.md §2), validated against the target it drafts for."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ ARCHITECTURES = ("dspark", "eagle3")
 
 @dataclass
 class DSparkConfig:
-    architecture: str = "dspark"  # dspark (parallel block + heads) | eagle3 (autoregressive baseline, SPEC §6)
+    architecture: str = "dspark"  # dspark (parallel block + heads) | eagle3 (autoregressive baseline, docs/design.md §6)
     block_size: int = 7  # γ: draft positions per block, the anchor slot included
     num_draft_layers: int = 5
     target_layer_ids: list[int] = field(default_factory=list)  # decoder layers whose outputs feed the drafter
@@ -68,9 +68,18 @@ class DSparkConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> DSparkConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+    def from_dict(cls, data: dict, where: str = "drafter config") -> DSparkConfig:
+        """A config from JSON data, every field checked for its type (a hand-edited file must not load half-wrong)."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = set(data) - set(known)
         if unknown:
-            raise DSparkError(f"unknown drafter config fields {sorted(unknown)}; known fields: {sorted(known)}")
+            raise DSparkError(f"{where}: unknown drafter config fields {sorted(unknown)}; known fields: {sorted(known)}")
+        for name, value in data.items():
+            kind = type(getattr(cls(), name))
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if kind is list:
+                ok = isinstance(value, list) and all(type(v) is int for v in value)
+            if not ok:
+                want = "a list of integers" if kind is list else kind.__name__
+                raise DSparkError(f"{where}: field {name} must be {want}, got {value!r}")
         return cls(**data)

@@ -1,4 +1,4 @@
-"""EAGLE-3-style baseline drafter (SPEC §6): autoregressive, one decoder layer over fused target features.
+"""EAGLE-3-style baseline drafter (docs/design.md §6): autoregressive, one decoder layer over fused target features.
 
 At context position t the input is W[f_t ; e(x_{t+1})], f_t the fused target feature; the layer's output h_t
 predicts x_{t+2}. Drafting feeds the drafter's own output back as the feature: W[h_t ; e(x̂_{t+2})] at position
@@ -14,9 +14,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.decoding.sampling import SamplingParams
 from dspark.drafter.backbone import _heads, rotate
-from dspark.drafter.model import DraftCache, DSparkDrafter, Proposal, TrainOutput
+from dspark.drafter.model import DraftCache, DSparkDrafter, TrainOutput
+from dspark.proposer import Proposal
+from dspark.sampling import SamplingParams
 
 
 class EagleDrafter(DSparkDrafter):

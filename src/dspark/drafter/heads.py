@@ -1,4 +1,4 @@
-"""Sequential heads (Markov vanilla / gated, RNN) and the confidence head (SPEC §2.4, §2.5).
+"""Sequential heads (Markov vanilla / gated, RNN) and the confidence head (docs/design.md §2.4, §2.5).
 
 A sequential head adds a bias B_k to the backbone's logits U_k from the token at k-1 (sampled at inference, the
 ground truth in training). `step` is one position (inference, left to right); `block` is all γ positions of many

@@ -1,4 +1,4 @@
-"""DSparkDrafter: the whole drafter (SPEC §2) with its training forward, its inference `propose`, and checkpoints.
+"""DSparkDrafter: the whole drafter (docs/design.md §2) with its training forward, its inference `propose`, and checkpoints.
 
 Embedding and LM head are the target's, shared by reference and frozen: they are non-persistent buffers, so they
 never enter a checkpoint. With a reduced draft vocabulary (`draft_vocab_size`), the head scores only the `d2t`
@@ -12,29 +12,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from dspark.decoding.sampling import SamplingParams, logits_to_probs, sample_rows
 from dspark.drafter.backbone import check_layer_layout, context_kv, family_classes, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir
 from dspark.kvslots import KVCache
+from dspark.proposer import Proposal
+from dspark.sampling import SamplingParams, logits_to_probs, sample_rows
 
 CHECKPOINT_FORMAT = "dspark-drafter"
-
-
-@dataclass
-class Proposal:
-    tokens: torch.Tensor  # [B, γ] draft tokens, target ids
-    probs: torch.Tensor | None  # [B, γ, V] the exact distributions they were sampled from (None when greedy)
-    confidence_logits: torch.Tensor | None  # [B, γ] logit of c_k
-
-    @property
-    def confidence(self) -> torch.Tensor | None:
-        return None if self.confidence_logits is None else torch.sigmoid(self.confidence_logits)
+FORMAT_VERSION = 2  # 2: model.safetensors metadata repeats WEIGHT_SHAPING_FIELDS
+WEIGHT_SHAPING_FIELDS = ("architecture", "block_size", "num_draft_layers", "target_layer_ids", "markov_rank",
+                         "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size")
 
 
 @dataclass
@@ -59,14 +52,6 @@ class DraftCache(KVCache):
     def merge(self, other: DraftCache) -> None:
         super().merge(other)
         self.row_state = {k: torch.cat([v, other.row_state[k]]) for k, v in self.row_state.items()} or other.row_state
-
-
-def drafter_class(architecture: str):
-    if architecture == "eagle3":
-        from dspark.drafter.eagle import EagleDrafter
-
-        return EagleDrafter
-    return DSparkDrafter
 
 
 class DSparkDrafter(nn.Module):
@@ -98,16 +83,6 @@ class DSparkDrafter(nn.Module):
         self._lm_slice = None
         self.reset_parameters()
 
-    @classmethod
-    def for_target(cls, target, config: DSparkConfig | None = None) -> DSparkDrafter:
-        """A fresh drafter for a Target; unset layer ids and mask token come from the target."""
-        config = config or DSparkConfig()
-        if not config.target_layer_ids:
-            config.target_layer_ids = list(target.layer_ids)
-        if config.mask_token_id < 0:
-            config.mask_token_id = target.unused_token_id()
-        return drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
-
     def reset_parameters(self) -> None:
         std = getattr(self.target_config, "initializer_range", 0.02)
         for module in self.modules():
@@ -136,6 +111,10 @@ class DSparkDrafter(nn.Module):
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return self.config.target_layer_ids
 
     @property
     def draft_vocab_size(self) -> int:
@@ -302,36 +281,12 @@ class DSparkDrafter(nn.Module):
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        meta = {"format": CHECKPOINT_FORMAT, "format_version": 1, "drafter": self.config.to_dict(), "target": target_identity}
+        meta = {"format": CHECKPOINT_FORMAT, "format_version": FORMAT_VERSION, "drafter": self.config.to_dict(),
+                "target": target_identity}
         meta.update(extra or {})
+        # The weights file repeats the config fields that shape them, so a config edited apart from its weights
+        # (or weights copied from another checkpoint) is caught on load.
+        echo = {f"dspark.{k}": json.dumps(getattr(self.config, k)) for k in WEIGHT_SHAPING_FIELDS}
         with atomic_dir(path) as tmp:
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", **echo})
             (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: str | Path, target) -> DSparkDrafter:
-        meta = read_checkpoint_meta(path)
-        want, have = meta["target"].get("fingerprint"), target.fingerprint
-        if want != have:
-            raise DSparkError(
-                f"the drafter in {path} was trained for target '{meta['target'].get('name_or_path')}' "
-                f"(fingerprint {want}), but the loaded target '{target.name}' has fingerprint {have}. "
-                "Load the target it was trained for, or train a drafter for this one (`dspark train`)."
-            )
-        config = DSparkConfig.from_dict(meta["drafter"])
-        drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
-        state = load_file(str(Path(path) / "model.safetensors"))
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise DSparkError(f"{path}: checkpoint does not match its config (missing {missing}, unexpected {unexpected})")
-        return drafter.to(target.dtype)
-
-
-def read_checkpoint_meta(path: str | Path) -> dict:
-    path = Path(path)
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
-        raise DSparkError(f"{path} is not a drafter checkpoint (it needs config.json and model.safetensors)")
-    meta = json.loads((path / "config.json").read_text())
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise DSparkError(f"{path}/config.json is not a dspark drafter config (format={meta.get('format')!r})")
-    return meta

@@ -1,1 +1,1 @@
-"""Confidence-scheduled verification support (SPEC §5): the engine's cost table and confidence calibration."""
+"""Confidence-scheduled verification support (docs/design.md §5): the engine's cost table and confidence calibration."""

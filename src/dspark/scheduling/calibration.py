@@ -1,4 +1,4 @@
-"""Confidence calibration by Sequential Temperature Scaling (SPEC §5), and its quality measures.
+"""Confidence calibration by Sequential Temperature Scaling (docs/design.md §5), and its quality measures.
 
 Rounds of real decoding give, per draft position k, the confidence logit and whether the prefix 1..k survived.
 For k = 1..γ in order, T_k is grid-searched so that the survival estimate Π_{i<=k} σ(logit_i / T_i) has the lowest
@@ -27,6 +27,25 @@ class Rounds:
     logits: torch.Tensor
     survived: torch.Tensor
     verified: torch.Tensor
+
+
+def collect_rounds(target, drafter, prompts: list[list[int]], max_new_tokens: int) -> Rounds:
+    """Decode the prompts with fixed γ (so every position is observed) and record every round's confidences and
+    what survived verification."""
+    from dspark.decoding.engine import SpeculativeEngine
+
+    if drafter.confidence_head is None:
+        raise DSparkError("the drafter has no confidence head to calibrate")
+    logits, accepted, verified = [], [], []
+
+    def record(_request, confidence_logits, ell, acc):
+        logits.append(confidence_logits.float())
+        accepted.append(acc)
+        verified.append(ell)
+
+    SpeculativeEngine(target, drafter).generate(prompts, max_new_tokens, on_round=record)
+    k = torch.arange(drafter.block_size)
+    return Rounds(torch.stack(logits), torch.tensor(accepted)[:, None] > k, torch.tensor(verified)[:, None] > k)
 
 
 def survival(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:

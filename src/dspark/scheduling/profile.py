@@ -1,4 +1,4 @@
-"""The cost table: how long a verify forward takes as a function of the tokens it carries (SPEC §5).
+"""The cost table: how long a verify forward takes as a function of the tokens it carries (docs/design.md §5).
 
 SPS(B) = target steps per second when the verify forward carries B tokens in total (bonus slots included),
 profiled once per engine, machine and precision. Stored in the interchange format TensorRT-LLM and SGLang read:
@@ -96,12 +96,3 @@ def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: in
     table = profile_target(target, token_counts, repeats=repeats)
     table.save(path)
     return table
-
-
-def machine_scheduler(target, drafter_path):
-    """The prefix scheduler (Algorithm 1) with this machine's cached cost table and the drafter's shipped
-    calibration (uncalibrated confidences when it has none)."""
-    from dspark.decoding.policy import PrefixScheduler
-    from dspark.scheduling.calibration import drafter_temperatures
-
-    return PrefixScheduler(cached_cost_table(target), drafter_temperatures(drafter_path))

@@ -1,4 +1,4 @@
-"""Anchors and block supervision (SPEC §3): which γ-blocks a training sequence contributes, and which of their
+"""Anchors and block supervision (docs/design.md §3): which γ-blocks a training sequence contributes, and which of their
 positions carry loss."""
 
 from __future__ import annotations

@@ -7,12 +7,11 @@ compute; a bad record is reported with its file and line.
 
 from __future__ import annotations
 
-import gzip
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.fsutil import jsonl_lines, read_jsonl
 
 ROLES = ("system", "user", "assistant")
 
@@ -41,44 +40,39 @@ def _messages(record: dict, where: str) -> list[dict]:
 
 def read_records(path: str | Path) -> list[dict]:
     """All records of a data file (JSONL, gzipped JSONL or a .txt prompt list), validated; each gets 'id' and
-    normalised 'messages'."""
+    normalised 'messages'. Ids must be unique: they are how regeneration and resumed runs know what is done."""
     path = Path(path)
-    if not path.is_file():
-        raise DSparkError(f"data file {path} does not exist")
-    records = []
     if path.suffix == ".txt":
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if line.strip():
-                records.append({"id": f"{path.stem}-{n}", "messages": [{"role": "user", "content": line.strip()}]})
-        if not records:
-            raise DSparkError(f"{path} holds no prompts")
-        return records
-    try:
-        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-    except (OSError, EOFError, UnicodeDecodeError) as e:
-        raise DSparkError(f"{path}: cannot read it as {'gzipped ' if path.suffix == '.gz' else ''}UTF-8 text ({e}); "
-                          "data files are JSONL, .jsonl.gz or .txt") from e
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{n}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DSparkError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from e
-        if not isinstance(record, dict):
-            raise DSparkError(f"{where}: each line must be a JSON object")
-        out = dict(record)
-        out["messages"] = _messages(record, where)
-        out.setdefault("id", f"{path.stem}-{n}")
-        ids = out.get("assistant_token_ids")
-        if ids is not None:
-            answers = sum(m["role"] == "assistant" for m in out["messages"])
-            if not isinstance(ids, list) or len(ids) != answers:
-                raise DSparkError(f"{where}: assistant_token_ids must hold one id list per assistant message")
-        records.append(out)
+        records = [{"id": f"{path.stem}-{n}", "messages": [{"role": "user", "content": line.strip()}]}
+                   for n, line in jsonl_lines(path)]
+    else:
+        records = []
+        for (n, _), record in zip(jsonl_lines(path), read_jsonl(path)):
+            where = f"{path}:{n}"
+            out = dict(record)
+            out["messages"] = _messages(record, where)
+            out.setdefault("id", f"{path.stem}-{n}")
+            if not isinstance(out["id"], (str, int)) or isinstance(out["id"], bool):
+                raise DSparkError(f"{where}: 'id' must be a string or an integer")
+            out["_line"] = n
+            ids = out.get("assistant_token_ids")
+            if ids is not None:
+                answers = sum(m["role"] == "assistant" for m in out["messages"])
+                if not isinstance(ids, list) or len(ids) != answers:
+                    raise DSparkError(f"{where}: assistant_token_ids must hold one id list per assistant message")
+                for turn in ids:
+                    if not isinstance(turn, list) or not all(type(t) is int and t >= 0 for t in turn):
+                        raise DSparkError(f"{where}: assistant_token_ids must be lists of non-negative integers")
+            records.append(out)
     if not records:
         raise DSparkError(f"{path} holds no records")
+    first_line = {}
+    for r in records:
+        line = r.pop("_line", None)
+        if r["id"] in first_line:
+            raise DSparkError(f"{path}: id {r['id']!r} appears twice (lines {first_line[r['id']]} and {line}); "
+                              "every record needs its own id")
+        first_line[r["id"]] = line
     return records
 
 

@@ -1,4 +1,4 @@
-"""The DSpark training loss (SPEC §3): position-weighted cross-entropy, L1 (= 2·TV) against the target's
+"""The DSpark training loss (docs/design.md §3): position-weighted cross-entropy, L1 (= 2·TV) against the target's
 distribution, and BCE of the confidence head against the soft acceptance label c* = 1 - ½‖p - q‖₁.
 
 The target distribution q comes dense ([N, V], exact) or as its top-K ([N, K] probabilities + target ids). With

@@ -1,4 +1,4 @@
-"""Regeneration: the target answers every prompt itself, so the drafter learns to imitate the target (SPEC §3).
+"""Regeneration: the target answers every prompt itself, so the drafter learns to imitate the target (docs/design.md §3).
 
 Multi-turn records are answered turn by turn, each turn given the regenerated history. Continuous batching keeps
 the batch full. Output JSONL is appended one finished record at a time; a restarted run skips what is already
@@ -7,6 +7,7 @@ there and drops a torn last line, so records are never duplicated or lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -16,27 +17,38 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dspark.decoding.plain import stream_plain
-from dspark.decoding.sampling import SamplingParams
+from dspark.errors import DSparkError
+from dspark.sampling import SamplingParams
 
 
 def completed_ids(path: Path) -> set[str]:
-    """Ids already written; a torn last line (killed mid-write) is cut off the file."""
+    """Ids already written to an output file of `regenerate`. A torn last line (a run killed mid-write, so it has no
+    newline) is cut off the file; anything else that is not a regenerated record stops the run with the file as it
+    was: a mistyped --out must never be truncated."""
     if not path.exists():
         return set()
-    done, good_bytes = set(), 0
-    with path.open("rb") as f:
-        for raw in f:
-            try:
-                record = json.loads(raw)
-            except json.JSONDecodeError:
-                break
-            if not raw.endswith(b"\n"):
-                break
-            done.add(record["id"])
-            good_bytes += len(raw)
-    if good_bytes != path.stat().st_size:
+    if path.is_dir():
+        raise DSparkError(f"--out {path} is a folder; give the JSONL file to write")
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn = lines.pop()  # b"" when the file ends with a newline
+    done, offset = set(), 0
+    for n, raw in enumerate(lines, 1):
+        offset += len(raw) + 1
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise DSparkError(f"{path}:{n}: not valid JSON ({e}); this is not a regenerate output file, or it was "
+                              "damaged. Fix or remove that line, or choose another --out") from e
+        if not isinstance(record, dict) or "id" not in record or "assistant_token_ids" not in record:
+            raise DSparkError(f"{path}:{n}: not a regenerated record (no id / assistant_token_ids); --out must be a new "
+                              "file or the output of an earlier `dspark regenerate` run, never the prompts file")
+        done.add(record["id"])
+    if torn:
         with path.open("rb+") as f:
-            f.truncate(good_bytes)
+            f.truncate(offset)
     return done
 
 
@@ -50,7 +62,6 @@ def regenerate(
     progress: bool = True,
 ) -> dict:
     out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     done = completed_ids(out_path)
     todo = [r for r in records if r["id"] not in done]
     meta = {"sampling": vars(sampling), "max_new_tokens": max_new_tokens, "target": target.identity()}
@@ -79,7 +90,8 @@ def regenerate(
     tokens = 0
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
-    with out_path.open("a") as f:
+    with contextlib.ExitStack() as files:
+        f = None  # opened with the first finished record: a run that fails before it leaves no empty file
         for rid, result in stream_plain(target, queue, batch_size, max_new_tokens, sampling):
             s = state[rid]
             tokens += len(result.token_ids)
@@ -91,6 +103,9 @@ def regenerate(
                 continue
             record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
             record.update(messages=s["messages"], assistant_token_ids=s["ids"], finish_reasons=s["finish"], **meta)
+            if f is None:
+                out_path.parent.mkdir(parents=True, exist_ok=True)
+                f = files.enter_context(out_path.open("a", encoding="utf-8"))
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())

@@ -17,6 +17,9 @@ import random
 import re
 from pathlib import Path
 
+from dspark.errors import DSparkError
+from dspark.fsutil import read_jsonl
+
 MIX = {"chat": 0.18, "math": 0.39, "code": 0.39, "instruct": 0.04}
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -239,19 +242,25 @@ def _shingles(text: str, n: int = 8) -> set[str]:
     return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def eval_shingles(eval_dir: Path | None) -> set[str]:
+def eval_shingles(eval_dir: Path) -> set[str]:
+    """8-word runs of every evaluation prompt. A missing or empty folder is an error: without it the contamination
+    check would pass everything."""
+    eval_dir = Path(eval_dir)
+    files = sorted(eval_dir.glob("*.jsonl")) if eval_dir.is_dir() else []
+    if not files:
+        raise DSparkError(f"--eval-dir {eval_dir} holds no evaluation sets (*.jsonl); prompts are checked against them "
+                          "for overlap, so point it at the folder of {\"turns\": [...]} files")
     shingles: set[str] = set()
-    if eval_dir and Path(eval_dir).is_dir():
-        for path in sorted(Path(eval_dir).glob("*.jsonl")):
-            for line in path.read_text().splitlines():
-                if line.strip():
-                    for turn in json.loads(line).get("turns", []):
-                        shingles |= _shingles(turn)
+    for path in files:
+        for record in read_jsonl(path):
+            for turn in record.get("turns", []):
+                shingles |= _shingles(turn)
     return shingles
 
 
-def build_prompts(count: int, seed: int = 0, eval_dir: Path | None = None, mix: dict | None = None) -> tuple[list[dict], dict]:
+def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None) -> tuple[list[dict], dict]:
     """`count` prompt records in the given mix, shuffled; returns (records, report of counts and dropped overlaps)."""
+    forbidden = eval_shingles(eval_dir)
     mix = mix or MIX
     rng = random.Random(seed)
     want = {k: round(count * v) for k, v in mix.items()}
@@ -261,7 +270,6 @@ def build_prompts(count: int, seed: int = 0, eval_dir: Path | None = None, mix: 
         "code": code_prompts(rng, want.get("code", 0)),
         "instruct": instruct_prompts(rng, want.get("instruct", 0)),
     }
-    forbidden = eval_shingles(eval_dir)
     records, dropped, seen = [], {}, set()
     for source, prompts in pools.items():
         for turns in prompts:

@@ -1,4 +1,4 @@
-"""`dspark train`: the drafter's training loop, read top to bottom (SPEC §3).
+"""`dspark train`: the drafter's training loop, read top to bottom (docs/design.md §3).
 
 Per step: a batch of sequences -> target features (online, or from the feature cache) -> anchors and supervised
 block positions -> the drafter's forward over all blocks -> the three-term loss -> AdamW with warmup + cosine.
@@ -8,12 +8,13 @@ continue exactly: weights, optimizer moments, schedule position, random state an
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import random
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -21,9 +22,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.drafter import DSparkConfig, DSparkDrafter
+from dspark.drafter import DSparkConfig, load_drafter, new_drafter
 from dspark.errors import DSparkError
-from dspark.fsutil import atomic_dir
+from dspark.fsutil import atomic_dir, recover_dir
 from dspark.training.anchors import block_supervision, position_weights, sample_anchors
 from dspark.training.data import Example, examples_from_record, read_records
 from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
@@ -40,58 +41,65 @@ PRESETS = {
     # The DFlash baseline: same backbone, no sequential or confidence head, cross-entropy only.
     "dflash": dict(_BASELINE, architecture="dspark", block_size=7, num_draft_layers=2, ce_weight=1.0, tv_weight=0.0,
                    conf_weight=0.0, decay=4.0),
-    # EAGLE-3-style autoregressive drafter trained with training-time test over γ steps (SPEC §6).
+    # EAGLE-3-style autoregressive drafter trained with training-time test over γ steps (docs/design.md §6).
     "eagle3": dict(_EAGLE, block_size=7),
     # MTP-1: one draft token per round.
     "mtp1": dict(_EAGLE, block_size=1),
 }
 
 
+def opt(default, help: str, **cli):
+    """A TrainConfig field with the help text (and choices / flag name) its command-line flag is derived from."""
+    factory = {"default_factory": default} if callable(default) else {"default": default}
+    return field(metadata={"help": help, **cli}, **factory)
+
+
 @dataclass
 class TrainConfig:
-    data: str
-    out: str
-    model: str = "smollm2-135m-instruct"
-    target_dtype: str = "bfloat16"
-    preset: str = "dspark"
-    # drafter (SPEC §2); None = the preset's value
-    architecture: str | None = None
-    block_size: int | None = None
-    num_draft_layers: int | None = None
-    markov_rank: int | None = None
-    markov_head_type: str | None = None
-    enable_confidence_head: bool | None = None
-    confidence_head_with_markov: bool | None = None
-    draft_vocab_size: int = 0
-    feature_norm: bool = False
-    target_layer_ids: list[int] = field(default_factory=list)
-    mask_token_id: int = -1  # -1 = an unused token of the target
-    init_target_layers: bool = True  # start the backbone from the target's top decoder layers
-    init_from: str | None = None  # continue from an existing drafter checkpoint
-    # loss (SPEC §3); None = the preset's value
-    ce_weight: float | None = None
-    tv_weight: float | None = None
-    conf_weight: float | None = None
-    decay: float | None = None
-    target_topk: int = 0  # 0 = the target's full distribution
-    num_anchors: int = 64
-    max_length: int = 1024
+    data: str = opt("", "training JSONL (regenerated chat records from `dspark regenerate`)")
+    out: str = opt("", "run folder: checkpoint/, metrics.jsonl")
+    model: str = opt("smollm2-135m-instruct", "target: a known name or a Hugging Face model folder")
+    target_dtype: str = opt("bfloat16", "precision of the frozen target", choices=("float32", "bfloat16"))
+    preset: str = opt("dspark", "architecture and loss preset", choices=tuple(PRESETS))
+    # drafter (docs/design.md §2); None = the preset's value
+    architecture: str | None = opt(None, "drafter architecture (set by --preset)", choices=("dspark", "eagle3"))
+    block_size: int | None = opt(None, "γ: draft positions per round")
+    num_draft_layers: int | None = opt(None, "backbone decoder layers")
+    markov_rank: int | None = opt(None, "rank of the sequential head (0 = pure parallel, DFlash)")
+    markov_head_type: str | None = opt(None, "sequential head", choices=("vanilla", "gated", "rnn"))
+    enable_confidence_head: bool | None = opt(None, "train a confidence head", flag="confidence-head")
+    confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
+    draft_vocab_size: int = opt(0, "score only the N most frequent answer tokens (0 = the whole vocabulary)")
+    feature_norm: bool = opt(False, "RMS-normalise each captured target layer before fc")
+    target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
+    mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
+    init_target_layers: bool = opt(True, "start the backbone from the target's top decoder layers")
+    init_from: str | None = opt(None, "continue training an existing drafter checkpoint")
+    # loss (docs/design.md §3); None = the preset's value
+    ce_weight: float | None = opt(None, "weight of the cross-entropy term")
+    tv_weight: float | None = opt(None, "weight of the L1 (2·TV) term against the target distribution")
+    conf_weight: float | None = opt(None, "weight of the confidence BCE term")
+    decay: float | None = opt(None, "position weight exp(-(k-1)/decay); <= 0 disables")
+    target_topk: int = opt(0, "keep the target distribution's top K (0 = full)")
+    num_anchors: int = opt(64, "blocks sampled per training sequence")
+    max_length: int = opt(1024, "tokens per training sequence (longer ones are cut)")
+    allow_foreign_data: bool = opt(False, "train on data regenerated by another target (normally refused)")
     # optimisation
-    epochs: float = 1.0
-    max_steps: int = 0  # > 0 overrides epochs
-    batch_size: int = 8
-    grad_accum: int = 1
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    clip: float = 1.0
-    bf16: bool = True  # autocast the drafter (fp32 master weights)
-    device: str = "auto"  # auto = this rank's GPU when CUDA is there, else the CPU
-    feature_cache: str | None = None
-    holdout: float = 0.02
-    eval_every: int = 200
-    save_every: int = 200
-    seed: int = 0
+    epochs: float = opt(1.0, "passes over the data")
+    max_steps: int = opt(0, "stop after this many steps (> 0 overrides --epochs)")
+    batch_size: int = opt(8, "sequences per micro-batch and process")
+    grad_accum: int = opt(1, "micro-batches per optimizer step")
+    lr: float = opt(6e-4, "peak learning rate (warmup, then cosine)")
+    warmup_ratio: float = opt(0.04, "share of the steps spent warming up")
+    weight_decay: float = opt(0.0, "AdamW weight decay (never on norms and biases)")
+    clip: float = opt(1.0, "gradient norm clip")
+    bf16: bool = opt(True, "autocast the drafter to bfloat16 (fp32 master weights)")
+    device: str = opt("auto", "auto (this rank's GPU if CUDA is available, else the CPU), cpu or cuda:N")
+    feature_cache: str | None = opt(None, "folder for the on-disk target feature cache (built on first use)")
+    holdout: float = opt(0.02, "share of records held out for evaluation")
+    eval_every: int = opt(200, "steps between held-out evaluations")
+    save_every: int = opt(200, "steps between checkpoints")
+    seed: int = opt(0, "random seed")
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -99,9 +107,24 @@ class TrainConfig:
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        for name in ("batch_size", "grad_accum", "num_anchors", "max_length", "eval_every", "save_every"):
+        for name in ("batch_size", "grad_accum", "num_anchors", "max_length", "eval_every", "save_every",
+                     "block_size", "num_draft_layers"):
             if getattr(self, name) <= 0:
-                raise DSparkError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+                raise DSparkError(f"--{flag(name)} must be positive, got {getattr(self, name)}")
+        for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps"):
+            if getattr(self, name) < 0:
+                raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
+        for name in ("lr", "epochs", "weight_decay", "clip", "ce_weight", "tv_weight", "conf_weight", "decay",
+                     "warmup_ratio", "holdout"):
+            value = getattr(self, name)
+            if not math.isfinite(value):
+                raise DSparkError(f"--{flag(name)} must be a finite number, got {value}")
+            if name != "decay" and value < 0:
+                raise DSparkError(f"--{flag(name)} must be >= 0, got {value}")
+        if self.lr <= 0 or self.clip <= 0:
+            raise DSparkError(f"--lr and --clip must be positive, got {self.lr} and {self.clip}")
+        if self.warmup_ratio >= 1 or self.holdout >= 1:
+            raise DSparkError("--warmup-ratio and --holdout are shares: each must be below 1")
         if self.max_steps <= 0 and self.epochs <= 0:
             raise DSparkError("train for something: --epochs > 0 or --max-steps > 0")
 
@@ -120,13 +143,48 @@ class TrainConfig:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+# Settings a resumed run may change: how long it runs and how often it reports, not what it learns.
+RESUMABLE = ("epochs", "max_steps", "eval_every", "save_every", "device", "feature_cache")
+
+
+def resumed_config(out: str | Path, overrides: dict) -> TrainConfig:
+    """The configuration of the run in `out`, with the given settings changed where a resumed run allows it."""
+    saved = Path(out) / "checkpoint" / "trainer_state.json"
+    recover_dir(saved.parent)
+    if not saved.exists():
+        raise DSparkError(f"--resume: {saved} does not exist; start the run without --resume")
+    try:
+        data = json.loads(saved.read_text())["train_config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DSparkError(f"--resume: {saved} is unreadable ({e}); the checkpoint is damaged") from e
+    cfg = TrainConfig.from_dict(data)
+    changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
+    refused = sorted(k for k in changed if k not in RESUMABLE)
+    if refused:
+        raise DSparkError(f"--resume continues the run as it was configured; {', '.join('--' + flag(k) for k in refused)} "
+                          f"would change what it learns. Only {', '.join('--' + flag(k) for k in RESUMABLE)} may change; "
+                          "start a new run with --init-from to change the rest")
+    return replace(cfg, out=str(out), **changed)
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
 # ---- distributed --------------------------------------------------------------------------------------------------
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device): NCCL across GPUs, gloo across CPU processes."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "auto":
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise DSparkError(f"--device {device!r} is not a device name; use auto, cpu or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DSparkError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise DSparkError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) here")
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
@@ -149,14 +207,28 @@ def barrier() -> None:
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
-def load_examples(tokenizer, path: str, max_length: int, holdout: float) -> tuple[list[Example], list[Example]]:
-    """Training and held-out examples; the hold-out is a fixed slice chosen by record id."""
+def load_examples(target, path: str, max_length: int, holdout: float,
+                  allow_foreign: bool = False) -> tuple[list[Example], list[Example]]:
+    """Training and held-out examples; the hold-out is a fixed slice chosen by record id. Records regenerated by
+    another target are refused (the drafter would learn to imitate the wrong model), and so are token ids outside
+    the target's vocabulary."""
     train, held = [], []
+    fingerprint = target.fingerprint
     for record in read_records(path):
         if not any(m["role"] == "assistant" for m in record["messages"]):
             raise DSparkError(f"{path}: record {record['id']} has no assistant answer; run `dspark regenerate` first")
+        source = record.get("target")
+        if isinstance(source, dict) and source.get("fingerprint") not in (None, fingerprint) and not allow_foreign:
+            raise DSparkError(
+                f"{path}: record {record['id']} was regenerated by target '{source.get('name_or_path')}' "
+                f"(fingerprint {source.get('fingerprint')}), not by '{target.name}' ({fingerprint}). Regenerate the "
+                "data with this target, or pass --allow-foreign-data to train on it anyway")
+        ids = [t for turn in record.get("assistant_token_ids") or [] for t in turn]
+        if ids and max(ids) >= target.vocab_size:
+            raise DSparkError(f"{path}: record {record['id']} holds token id {max(ids)}, outside the target's "
+                              f"vocabulary of {target.vocab_size}; the data belongs to another tokenizer")
         bucket = held if (hash_id(record["id"]) % 10000) < holdout * 10000 else train
-        bucket.extend(examples_from_record(tokenizer, record, max_length))
+        bucket.extend(examples_from_record(target.tokenizer, record, max_length))
     if not train:
         raise DSparkError(f"{path}: no training examples with at least two assistant tokens")
     for i, e in enumerate(train):
@@ -164,10 +236,10 @@ def load_examples(tokenizer, path: str, max_length: int, holdout: float) -> tupl
     return train, held
 
 
-def hash_id(text: str) -> int:
+def hash_id(text) -> int:
     import zlib
 
-    return zlib.crc32(text.encode())
+    return zlib.crc32(str(text).encode())
 
 
 def epoch_batches(examples: list[Example], batch_size: int, epoch: int, seed: int) -> list[list[int]]:
@@ -192,6 +264,12 @@ def draft_vocabulary(examples: list[Example], size: int, vocab_size: int) -> tup
         counts += torch.bincount(answer, minlength=vocab_size)
     top = counts.topk(size).indices.sort().values
     return top, float(counts[top].sum() / counts.sum().clamp_min(1))
+
+
+def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
+    """The anchors of a batch depend only on (seed, epoch, batch index): a resumed run and any number of DDP
+    processes draw exactly the anchors a single uninterrupted process would."""
+    return torch.Generator().manual_seed(hash_id(f"anchors:{seed}:{epoch}:{batch}"))
 
 
 # ---- one step -----------------------------------------------------------------------------------------------------
@@ -258,15 +336,15 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig,
-                    anchor_states: list[torch.Tensor]) -> None:
+def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig) -> None:
     """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
     opt = optimizer.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     tensors["rng.torch"] = torch.get_rng_state()
-    for rank, gen_state in enumerate(anchor_states):  # every rank's anchor sampler, so each resumes exactly
-        tensors[f"rng.anchors.{rank}"] = gen_state
-    meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": repr(random.getstate()),
+    if torch.cuda.is_available():
+        tensors["rng.cuda"] = torch.cuda.get_rng_state()
+    version, internal, gauss = random.getstate()
+    meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": [version, list(internal), gauss],
             "train_config": asdict(cfg)}
     with atomic_dir(path) as tmp:
         drafter.save(tmp / "drafter", target_identity, extra={"training": asdict(cfg), "progress": state})
@@ -276,12 +354,15 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
         (tmp / "trainer_state.json").write_text(json.dumps(meta, indent=1))
 
 
-def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator, rank: int = 0) -> dict:
-    from safetensors.torch import load_file as load
-
-    drafter.load_state_dict(load(str(path / "model.safetensors")))
-    meta = json.loads((path / "trainer_state.json").read_text())
-    tensors = load_file(str(path / "trainer_state.safetensors"))
+def load_checkpoint(path: Path, drafter, optimizer) -> dict:
+    """Everything save_checkpoint wrote, back in place. The trainer state is plain JSON and tensors: nothing in it
+    is ever evaluated or unpickled."""
+    try:
+        drafter.load_state_dict(load_file(str(path / "model.safetensors")))
+        meta = json.loads((path / "trainer_state.json").read_text())
+        tensors = load_file(str(path / "trainer_state.safetensors"))
+    except (OSError, ValueError, RuntimeError) as e:
+        raise DSparkError(f"{path} is damaged and cannot be resumed ({e}); restart the run without --resume") from e
     state = {}
     for key, value in tensors.items():
         if key.startswith("state."):
@@ -289,12 +370,20 @@ def load_checkpoint(path: Path, drafter, optimizer, anchor_gen: torch.Generator,
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
-    key = f"rng.anchors.{rank}"
-    if key not in tensors:
-        raise DSparkError(f"{path} was written by fewer ranks; resume with the number of processes it was trained with")
-    anchor_gen.set_state(tensors[key])
-    random.setstate(eval(meta["python_rng"], {"__builtins__": {}}))  # tuples of ints only
+    if "rng.cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng.cuda"])
+    random.setstate(python_rng_state(meta.get("python_rng"), path))
     return meta["loop"]
+
+
+def python_rng_state(data, path) -> tuple:
+    """Python's random state from its JSON form [version, [625 ints], gauss-or-null], checked field by field."""
+    ok = (isinstance(data, list) and len(data) == 3 and type(data[0]) is int and isinstance(data[1], list)
+          and len(data[1]) == 625 and all(type(x) is int for x in data[1]) and (data[2] is None or isinstance(data[2], float)))
+    if not ok:
+        raise DSparkError(f"{path}/trainer_state.json: python_rng is not a random-generator state; the checkpoint "
+                          "is damaged or was written by an older dspark (restart the run without --resume)")
+    return data[0], tuple(data[1]), data[2]
 
 
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
@@ -314,20 +403,18 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     rank, world, device = init_distributed(cfg.device)
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed + rank)
     random.seed(cfg.seed + rank)
 
     target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None, device=device)
-    cfg.target_layer_ids = list(target.layer_ids)
-    train_set, held_out = load_examples(target.tokenizer, cfg.data, cfg.max_length, cfg.holdout)
+    cfg = replace(cfg, target_layer_ids=list(target.layer_ids))  # the caller's config stays as it was given
+    train_set, held_out = load_examples(target, cfg.data, cfg.max_length, cfg.holdout, cfg.allow_foreign_data)
 
     if cfg.init_from:
-        drafter = DSparkDrafter.load(cfg.init_from, target).float()
+        drafter = load_drafter(cfg.init_from, target).float()
         drafter.config.num_anchors = cfg.num_anchors
     else:
-        drafter = DSparkDrafter.for_target(target, cfg.drafter_config()).float()
+        drafter = new_drafter(target, cfg.drafter_config()).float()
         if cfg.init_target_layers:
             drafter.init_from_target_layers(target.model)
         if cfg.draft_vocab_size:
@@ -347,19 +434,24 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         source.check(train_set, target.identity())
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    # Weight decay pulls matrices toward zero; norms (toward zero = off) and biases get none.
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
     ddp_devices = [device] if device.type == "cuda" else None
     model = DDP(drafter, device_ids=ddp_devices, broadcast_buffers=False) if world > 1 else drafter
 
     steps_per_epoch = max(1, len(epoch_batches(train_set, cfg.batch_size, 0, cfg.seed)) // (world * cfg.grad_accum))
     total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.epochs * steps_per_epoch))
     loop = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "tokens": 0}
-    anchor_gen = torch.Generator().manual_seed(cfg.seed * 7 + rank)
     if resume:
+        recover_dir(checkpoint)
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
-        loop = load_checkpoint(checkpoint, drafter, optimizer, anchor_gen, rank)
+        loop = load_checkpoint(checkpoint, drafter, optimizer)
 
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails on its inputs leaves no folder behind
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
                dynamic_ncols=True)
@@ -374,18 +466,22 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 loop["epoch"] += 1
                 loop["batch"] = 0
                 batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
-            micro.append([train_set[i] for i in batches[loop["batch"] + rank]])
+            index = loop["batch"] + rank
+            micro.append(([train_set[i] for i in batches[index]], anchor_generator(cfg.seed, loop["epoch"], index)))
             loop["batch"] += world
         # Each micro-batch's loss is a weighted mean over every supervised position of the whole step, all ranks.
-        prepared = [source(m) for m in micro]
-        plans = [plan_blocks(b, cfg, anchor_gen) for b in prepared]
+        prepared = [source(m) for m, _ in micro]
+        plans = [plan_blocks(b, cfg, g) for b, (_, g) in zip(prepared, micro)]
         local = torch.stack([sum(p.weights.sum() for p in plans).float().cpu(),
                              torch.tensor(float(sum(int(b.loss_mask.sum()) for b in prepared)))])
         denominator, step_tokens = all_sum(local).tolist()
         step_metrics = {}
-        for batch, plan in zip(prepared, plans):
-            loss, metrics = block_loss(model, batch, plan, cfg, torch.tensor(denominator, device=device))
-            (loss * world).backward()  # DDP averages gradients over ranks; the denominator is already global
+        for i, (batch, plan) in enumerate(zip(prepared, plans)):
+            # DDP all-reduces gradients on the last micro-batch only; the others accumulate locally.
+            sync = i == len(prepared) - 1 or world == 1
+            with contextlib.nullcontext() if sync else model.no_sync():
+                loss, metrics = block_loss(model, batch, plan, cfg, torch.tensor(denominator, device=device))
+                (loss * world).backward()  # DDP averages gradients over ranks; the denominator is already global
             for k, v in metrics.items():
                 step_metrics[k] = step_metrics.get(k, 0.0) + v
         loop["tokens"] += int(step_tokens)
@@ -408,12 +504,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             metrics_file.write(json.dumps(last) + "\n")
             metrics_file.flush()
         if loop["step"] % cfg.save_every == 0 or loop["step"] == total:
-            states = [anchor_gen.get_state()]
-            if world > 1:
-                states = [None] * world
-                dist.all_gather_object(states, anchor_gen.get_state())
             if rank == 0:
-                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg, states)
+                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg)
             barrier()
     bar.close()
     if metrics_file:

@@ -1,0 +1,94 @@
+"""Drafter architectures by name, and the two ways to get one: fresh for a target, or loaded from a checkpoint.
+
+Loading checks everything a hand-edited or damaged folder can get wrong (JSON, field types, format version, the
+target it was trained for, the weights file and its shapes) and says which file to fix; it never unpickles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+from dspark.drafter.config import DSparkConfig
+from dspark.drafter.eagle import EagleDrafter
+from dspark.drafter.model import CHECKPOINT_FORMAT, FORMAT_VERSION, WEIGHT_SHAPING_FIELDS, DSparkDrafter
+from dspark.errors import DSparkError
+from dspark.fsutil import recover_dir
+
+ARCHITECTURES = {"dspark": DSparkDrafter, "eagle3": EagleDrafter}
+
+
+def drafter_class(architecture: str) -> type[DSparkDrafter]:
+    if architecture not in ARCHITECTURES:
+        raise DSparkError(f"unknown drafter architecture '{architecture}'; known: {', '.join(ARCHITECTURES)}")
+    return ARCHITECTURES[architecture]
+
+
+def new_drafter(target, config: DSparkConfig | None = None) -> DSparkDrafter:
+    """A fresh drafter for a Target; unset layer ids and mask token come from the target (the config is not
+    modified: the drafter holds a completed copy)."""
+    config = DSparkConfig.from_dict((config or DSparkConfig()).to_dict())
+    if not config.target_layer_ids:
+        config.target_layer_ids = list(target.layer_ids)
+    if config.mask_token_id < 0:
+        config.mask_token_id = target.unused_token_id()
+    return drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
+
+
+def read_checkpoint_meta(path: str | Path) -> dict:
+    path = Path(path)
+    recover_dir(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise DSparkError(f"{path} is not a drafter checkpoint (it needs config.json and model.safetensors)")
+    try:
+        meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DSparkError(f"{path}/config.json is not valid JSON ({e}); restore it from the run that wrote it") from e
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DSparkError(f"{path}/config.json is not a dspark drafter config (format={got!r})")
+    version = meta.get("format_version")
+    if version not in range(1, FORMAT_VERSION + 1):
+        raise DSparkError(f"{path}/config.json has format_version {version!r}; this dspark reads versions 1 to "
+                          f"{FORMAT_VERSION} (upgrade dspark for newer checkpoints)")
+    if not isinstance(meta.get("drafter"), dict) or not isinstance(meta.get("target"), dict):
+        raise DSparkError(f"{path}/config.json needs 'drafter' and 'target' objects")
+    return meta
+
+
+def load_drafter(path: str | Path, target) -> DSparkDrafter:
+    path = Path(path)
+    meta = read_checkpoint_meta(path)
+    want, have = meta["target"].get("fingerprint"), target.fingerprint
+    if want != have:
+        raise DSparkError(
+            f"the drafter in {path} was trained for target '{meta['target'].get('name_or_path')}' "
+            f"(fingerprint {want}), but the loaded target '{target.name}' has fingerprint {have}. "
+            "Load the target it was trained for, or train a drafter for this one (`dspark train`)."
+        )
+    config = DSparkConfig.from_dict(meta["drafter"], where=f"{path}/config.json")
+    drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
+    weights = path / "model.safetensors"
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            echo = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors reports damage with its own exception types
+        raise DSparkError(f"{weights} is damaged or truncated ({e}); copy it again or re-export the checkpoint") from e
+    for field in WEIGHT_SHAPING_FIELDS:
+        saved = echo.get(f"dspark.{field}")
+        if saved is not None and json.loads(saved) != getattr(config, field):
+            raise DSparkError(f"{path}: config.json says {field}={getattr(config, field)!r} but the weights were "
+                              f"saved with {field}={json.loads(saved)!r}; restore the config.json that came with them")
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    wrong = [f"{k} {tuple(state[k].shape)} (config wants {tuple(expected[k].shape)})"
+             for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise DSparkError(f"{path}: model.safetensors does not match config.json (missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]}, wrong shapes {wrong[:4]}); the config was edited or the files come "
+                          "from different checkpoints")
+    drafter.load_state_dict(state)
+    return drafter.to(target.dtype)
