@@ -203,7 +203,6 @@ def _save(fig, path: Path) -> Path:
 
 def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
     """Held-out greedy τ against training seconds and tokens, one line per run (from each run's metrics.jsonl)."""
-    import json
 
     import matplotlib
 
