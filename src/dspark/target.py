@@ -11,12 +11,14 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
 from dspark.errors import DSparkError
-from dspark.kvslots import KVCache
+from dspark.decoder import LeanDecoder
+from dspark.kvcache import KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,12 +55,11 @@ class Target:
         self.tokenizer = tokenizer
         self.name = name
         self.config = model.config
-        self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.decoder = LeanDecoder(self.model)
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
         self.validate_layer_ids(self.layer_ids)
-        self.softcap = getattr(self.config, "final_logit_softcapping", None)
         for p in self.model.parameters():
             p.requires_grad_(False)
 
@@ -166,14 +167,11 @@ class Target:
         return {"name_or_path": self.name, "fingerprint": self.fingerprint, "model_type": self.config.model_type}
 
     # ---- compute -----------------------------------------------------------------------------------------------
-    def new_cache(self, batch_size: int) -> KVCache:
-        return KVCache(batch_size, self.device)
+    def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
+        return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
+        return F.linear(hidden, self.lm_head.weight).float()
 
     @torch.no_grad()
     def forward(
@@ -195,27 +193,17 @@ class Target:
         if num_new is None:
             num_new = torch.full((batch,), width, dtype=torch.long, device=input_ids.device)
         layer_ids = self.layer_ids if features is True else (features or [])
-        positions = cache.slots.append(num_new, width)
-        mask = None if cache.slots.is_contiguous() else cache.slots.attention_mask(width)
-        out = self.decoder(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=mask,
-            cache=cache.kv,
-            use_cache=True,
-            output_hidden_states=bool(features),
-        )
-        hidden = out.last_hidden_state
+        hidden, captured = self.decoder.forward(cache, input_ids, num_new, layer_ids)
         scored = hidden
         if logits == "last":
             scored = hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None]
         return TargetOutput(
             logits=self.logits_from_hidden(scored) if logits else None,
-            features=torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1) if layer_ids else None,
+            features=torch.cat(captured, dim=-1) if captured else None,
             last_hidden=hidden if last_hidden else None,
         )
 
     @torch.no_grad()
     def forward_sequences(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, **want) -> TargetOutput:
         """One cache-free pass over whole (right-padded) sequences: what training and regeneration need."""
-        return self.forward(self.new_cache(input_ids.shape[0]), input_ids, lengths, **want)
+        return self.forward(self.new_cache(input_ids.shape[0], input_ids.shape[1]), input_ids, lengths, **want)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dspark.decoder import rotate
 from dspark.errors import DSparkError
 
 
@@ -42,13 +43,6 @@ def check_layer_layout(layer: nn.Module, model_type: str) -> None:
             f"the '{model_type}' decoder layer layout is not supported by the drafter backbone yet "
             "(supported: pre-norm layers with input_layernorm/post_attention_layernorm, e.g. Llama, Qwen2, Qwen3)"
         )
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding for x [B, H, L, hd] with cos/sin [B, L, hd] (the rotate-half convention of HF)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def _heads(attn, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.drafter.backbone import _heads, rotate
+from dspark.decoder import rotate
+from dspark.drafter.backbone import _heads
 from dspark.drafter.model import DraftCache, DSparkDrafter, TrainOutput
 from dspark.proposer import Proposal
 from dspark.sampling import SamplingParams
@@ -82,18 +83,24 @@ class EagleDrafter(DSparkDrafter):
     def extend_context(self, cache: DraftCache, features, num_new, next_ids=None) -> None:
         """Append real entries [f_t ; e(x_{t+1})] for the new positions; keep each row's last output, which
         proposes the first draft token of the next round."""
-        positions = cache.slots.append(num_new, features.shape[1])
-        mask = cache.slots.attention_mask(features.shape[1])
-        past = cache.layer(0) if cache.kv.layers else (None, None)
-        h, k, v = self._layer(self._inputs(self.fuse(features), next_ids), positions, past[0], past[1], mask)
-        cache.kv.update(k, v, 0)
+        width = features.shape[1]
+        common, upto = cache.common_length(), int(cache.lengths.max())
+        positions = cache.positions(width)
+        past_k, past_v = cache.view(0, upto)
+        own = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
+        mask = torch.cat([cache.filled(upto)[:, None, :].expand(-1, width, -1), own.expand(len(positions), -1, -1)], 2)
+        h, k, v = self._layer(self._inputs(self.fuse(features), next_ids), positions, past_k, past_v, mask[:, None])
+        cache.reserve(width)
+        cache.write(0, k, v, positions, common)
+        cache.lengths = cache.lengths + num_new
         cache.row_state["last"] = h[torch.arange(h.shape[0]), (num_new - 1).clamp_min(0)]
 
     @torch.no_grad()
     def propose(self, cache: DraftCache, anchor_ids, sampling: SamplingParams, generators=None) -> Proposal:
         h = cache.row_state["last"]
-        keys, values = cache.layer(0)
-        live = cache.slots.pos >= 0
+        upto = int(cache.lengths.max())
+        keys, values = cache.view(0, upto)
+        live = cache.filled(upto)
         position = cache.lengths - 1  # the last context entry starts the chain
         tokens, probs, own_k, own_v = [], [], [], []
         for step in range(self.block_size):

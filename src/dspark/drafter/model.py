@@ -20,7 +20,7 @@ from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir
-from dspark.kvslots import KVCache
+from dspark.kvcache import KVCache
 from dspark.proposer import Proposal
 from dspark.sampling import SamplingParams, logits_to_probs, sample_rows
 
@@ -41,8 +41,8 @@ class DraftCache(KVCache):
     """The drafter's context: per draft layer, keys/values of the fused target features of accepted tokens, plus
     any per-row tensors a drafter keeps between rounds (`row_state`, kept in step with the rows)."""
 
-    def __init__(self, batch_size: int, device="cpu"):
-        super().__init__(batch_size, device)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.row_state: dict[str, torch.Tensor] = {}
 
     def select(self, rows: torch.Tensor) -> None:
@@ -215,15 +215,21 @@ class DSparkDrafter(nn.Module):
 
     # ---- inference -------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> DraftCache:
-        return DraftCache(batch_size, self.lm_head_weight.device)
+        attn = self.layers[0].self_attn
+        return DraftCache(len(self.layers), batch_size, self.target_config.num_key_value_heads, attn.head_dim,
+                          self.fc.weight.dtype, self.lm_head_weight.device)
 
     @torch.no_grad()
     def extend_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor, next_ids=None) -> None:
         """Append the target features of newly accepted tokens ([B, n, F], first num_new[b] real) to the context.
-        next_ids [B, n] (the token after each new position) is for drafters that read it (EAGLE); DSpark does not."""
-        positions = cache.slots.append(num_new, features.shape[1])
+        next_ids [B, n] (the token after each new position) is for drafters that read it (EAGLE); DSpark does not.
+        The cache holds accepted tokens only: each row's length grows by exactly num_new[b]."""
+        common = cache.common_length()
+        cache.reserve(features.shape[1])
+        positions = cache.positions(features.shape[1])
         for i, (k, v) in enumerate(self.context_kv(features, positions)):
-            cache.kv.update(k, v, i)
+            cache.write(i, k, v, positions, common)
+        cache.lengths = cache.lengths + num_new
 
     @torch.no_grad()
     def propose(
@@ -235,10 +241,13 @@ class DSparkDrafter(nn.Module):
     ) -> Proposal:
         """Draft γ tokens after each anchor [B]: one backbone pass, then the sequential head left to right."""
         batch, gamma = anchor_ids.shape[0], self.block_size
-        positions = cache.lengths[:, None] + torch.arange(gamma, device=anchor_ids.device)
-        ctx_live = (cache.slots.pos >= 0)[:, None, :].expand(-1, gamma, -1)
-        mask = torch.cat([ctx_live, ctx_live.new_ones(batch, gamma, gamma)], dim=2)[:, None]
-        ctx_kv = [cache.layer(i) for i in range(len(self.layers))]
+        positions = cache.positions(gamma)
+        upto = int(cache.lengths.max())
+        mask = None  # rows of one length see their whole context and their whole block
+        if cache.common_length() is None:
+            ctx_live = cache.filled(upto)[:, None, :].expand(-1, gamma, -1)
+            mask = torch.cat([ctx_live, ctx_live.new_ones(batch, gamma, gamma)], dim=2)[:, None]
+        ctx_kv = [cache.view(i, upto) for i in range(len(self.layers))]
         h = self.backbone(self.block_input(anchor_ids), positions, ctx_kv, mask)
         base = self.base_logits(h)
 

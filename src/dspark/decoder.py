@@ -1,0 +1,122 @@
+"""Our own forward of a pre-norm decoder LM (Llama, Qwen2, Qwen3) over the position-addressed KV cache.
+
+Hugging Face loads the weights and stays the reference (the tests hold this forward to its logits and hidden
+states); the forward is ours because the per-token cost of a 135M model on a CPU is mostly framework overhead:
+module dispatch, masks and cache objects rebuilt per call. Here q/k/v and gate/up are fused into one matrix each
+(the HF modules keep working on views of the fused weights, so nothing is stored twice), no mask is built where a
+batch is not ragged and carries one token, and the LM head runs only where the caller wants logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.activations import ACT2FN
+
+from dspark.errors import DSparkError
+from dspark.kvcache import KVCache, causal_visibility
+
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding for x [B, H, L, hd] with cos/sin [B, L, hd] (the rotate-half convention of HF)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in float32 and cast back, as the HF Llama/Qwen modules do."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several Linear layers on the same input; each layer's parameters become views of
+    it, so the HF module computes exactly what it did and the memory is not doubled."""
+    weight = torch.cat([m.weight.data for m in linears])
+    has_bias = all(m.bias is not None for m in linears)
+    bias = torch.cat([m.bias.data for m in linears]) if has_bias else None
+    row = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[row : row + rows]
+        if has_bias:
+            m.bias.data = bias[row : row + rows]
+        row += rows
+    return weight, bias
+
+
+class LeanDecoder:
+    def __init__(self, model):
+        config = model.config
+        if config.model_type not in SUPPORTED_FAMILIES:
+            raise DSparkError(
+                f"'{config.model_type}' models are not supported yet (supported families: "
+                f"{', '.join(SUPPORTED_FAMILIES)}); a new family needs its forward in dspark/decoder.py"
+            )
+        if getattr(config, "use_sliding_window", False) or getattr(config, "mlp_bias", False):
+            raise DSparkError(f"{config.model_type} with a sliding attention window or MLP biases is not supported yet")
+        decoder = model.get_decoder()
+        attn = decoder.layers[0].self_attn
+        self.embed = decoder.embed_tokens.weight
+        self.rotary = decoder.rotary_emb
+        self.final_norm = decoder.norm.weight
+        self.eps = config.rms_norm_eps
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.act = ACT2FN[config.hidden_act]
+        self.layers = []
+        for layer in decoder.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
+            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+            self.layers.append(dict(
+                qkv_w=qkv_w, qkv_b=qkv_b, o_w=a.o_proj.weight, o_b=a.o_proj.bias, gate_up=gate_up,
+                down=mlp.down_proj.weight, in_norm=layer.input_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight,
+                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+            ))
+
+    def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
+        return KVCache(len(self.layers), batch_size, self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device,
+                       capacity)
+
+    def forward(self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor,
+                capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Append input_ids [B, W] (row b: its first num_new[b] real) to the cache. Returns the final normed hidden
+        states [B, W, d] and the outputs of the `capture` layers."""
+        batch, width = input_ids.shape
+        common = cache.common_length()
+        cache.reserve(width)
+        positions = cache.positions(width)
+        upto = int(positions[:, -1].max()) + 1
+        # One token per row at one common length sees every slot up to itself: no mask at all.
+        mask = None if width == 1 and common is not None else causal_visibility(positions, upto)
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(x, positions)
+        q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        wanted, captured = set(capture), {}
+        for i, p in enumerate(self.layers):
+            h = rms_norm(x, p["in_norm"], self.eps)
+            q, k, v = F.linear(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = (t.view(batch, width, -1, self.head_dim) for t in (q, k, v))
+            if p["q_norm"] is not None:
+                q, k = rms_norm(q, p["q_norm"], self.eps), rms_norm(k, p["k_norm"], self.eps)
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            cache.write(i, k, v, positions, common)
+            keys, values = cache.view(i, upto)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                                 enable_gqa=self.kv_heads != self.heads)
+            x = x + F.linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
+            gate, up = F.linear(rms_norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(self.act(gate) * up, p["down"])
+            if i in wanted:
+                captured[i] = x
+        cache.lengths = cache.lengths + num_new
+        return rms_norm(x, self.final_norm, self.eps), [captured[i] for i in capture]
