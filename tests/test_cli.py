@@ -31,7 +31,7 @@ def test_generate_json(real_target):
 
 def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter):
     proc = dspark("generate", "List three prime numbers.", "--max-new-tokens", "24", "--drafter", str(untrained_drafter),
-                  "--compare-plain", "--json")
+                  "--compare-plain", "--json", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["identical_to_plain"] is True and len(out["accept_by_position"]) == 7
@@ -63,7 +63,8 @@ def test_models_lists_the_default_target(real_target):
 
 
 def test_demo_runs_side_by_side(untrained_drafter):
-    proc = dspark("demo", "--drafter", str(untrained_drafter), "--datasets", "gsm8k", "--max-new-tokens", "12")
+    proc = dspark("demo", "--drafter", str(untrained_drafter), "--datasets", "gsm8k", "--max-new-tokens", "12",
+                  "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert "outputs IDENTICAL" in proc.stdout and "speed-up" in proc.stdout and "mean τ" in proc.stdout
 
@@ -75,7 +76,7 @@ def test_shipped_drafter_demo():
     path = shipped_drafter("smollm2-135m-instruct")
     assert (path / "model.safetensors").stat().st_size <= 40e6
     assert (path / "MODEL_CARD.md").is_file() and (path / "calibration.json").is_file()
-    proc = dspark("demo", "--datasets", "gsm8k", "--max-new-tokens", "32")
+    proc = dspark("demo", "--datasets", "gsm8k", "--max-new-tokens", "32", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     assert "prefix scheduler" in proc.stdout and "identical outputs: 1/1" in proc.stdout
     tau = float(proc.stdout.split("mean τ ")[1].split(";")[0])

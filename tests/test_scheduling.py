@@ -133,7 +133,8 @@ def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run
     (tmp_path / "p.txt").write_text("t5 t6 t7\nt9 t10\nt20 t21 t22 t23\n")
 
     def run(*args):
-        proc = subprocess.run([sys.executable, "-m", "dspark.cli", *args], capture_output=True, text=True, timeout=300)
+        proc = subprocess.run([sys.executable, "-m", "dspark.cli", *args, "--dtype", "float32"], capture_output=True,
+                              text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 

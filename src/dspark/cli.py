@@ -12,11 +12,19 @@ from dspark.fsutil import check_output_dir, check_output_file
 
 
 # ---- shared argument groups ------------------------------------------------------------------------------------
-def add_target_args(p: argparse.ArgumentParser) -> None:
+def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None:
     from dspark.models import DEFAULT_TARGET
 
     p.add_argument("--model", default=DEFAULT_TARGET, help=f"known target name or HF model folder (default {DEFAULT_TARGET})")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="target precision")
+    if auto_dtype:
+        p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                       help="target precision; auto: the faster one on this CPU (measured once, cached). float32 "
+                            "output of speculative decoding is token-for-token that of plain decoding")
+        p.add_argument("--quantize", choices=["none", "int8"], default="none",
+                       help="int8: weight-only int8 target (per-channel scales); plain and speculative decoding "
+                            "share it, so they still agree")
+    else:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="precision of the weights")
     p.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0 = torch's default)")
 
 
@@ -94,10 +102,24 @@ def setup_torch(args) -> None:
 
 
 def load_target(args, layer_ids=None):
+    """The target in --dtype; for auto, the precision this machine runs fastest (said on stderr, with why)."""
     from dspark.target import Target
 
     setup_torch(args)
-    return Target.load(args.model, dtype=args.dtype, layer_ids=layer_ids)
+    if args.dtype == "auto":
+        from dspark.scheduling.precision import choose_precision
+
+        loaded = {}
+
+        def load(dtype):
+            loaded[dtype] = Target.load(args.model, dtype=dtype, layer_ids=layer_ids, quantize=args.quantize)
+            return loaded[dtype]
+
+        choice = choose_precision(args.model + ("-int8" if args.quantize == "int8" else ""), load)
+        args.dtype = choice.dtype
+        print(f"dspark: precision {choice.dtype}: {choice.reason} (--dtype overrides)", file=sys.stderr)
+        return loaded.get(choice.dtype) or load(choice.dtype)
+    return Target.load(args.model, dtype=args.dtype, layer_ids=layer_ids, quantize=getattr(args, "quantize", None))
 
 
 def build_policy(args, target=None, drafter_path=None):
@@ -341,6 +363,38 @@ def cmd_bench_train(args) -> int:
     return 0
 
 
+def cmd_bench_engine(args) -> int:
+    import os
+    import shlex
+    import time
+
+    from dspark.assets import eval_path, shipped_drafter
+    from dspark.bench.engine import run_engine_bench
+    from dspark.bench.report import engine_plot, engine_section, write_section
+    from dspark.bench.run import machine_info
+    from dspark.fsutil import atomic_write_json
+
+    drafter = args.drafter or shipped_drafter(args.model)
+    check_drafter_arg(drafter)
+    for name in args.datasets:
+        eval_path(name)
+    out = check_output_dir(args.out, "--out")
+    check_output_file(args.markdown, "--markdown")
+    setup_torch(args)
+    run = run_engine_bench(args.model, args.dtypes, drafter, args.datasets, args.max_new_tokens,
+                           progress=lambda line: print(line, file=sys.stderr))
+    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    command = env + "dspark " + shlex.join(sys.argv[1:])
+    run.update(command=command, machine=machine_info(), when=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "engine.json", run)
+    plot = engine_plot(run, out / "engine-forward.png")
+    markdown = Path(args.markdown)
+    write_section(markdown, "engine", engine_section(run, command, os.path.relpath(plot, markdown.parent)))
+    print(f"dspark: wrote {out / 'engine.json'}, {plot} and section 'engine' of {markdown}", file=sys.stderr)
+    return 0
+
+
 # Files that travel with a drafter's weights: its calibration (the scheduler's temperatures) and its model card.
 DRAFTER_COMPANIONS = ("calibration.json", "MODEL_CARD.md")
 
@@ -575,6 +629,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench)
 
+    p = sub.add_parser("bench-engine", help="forward cost of our engine vs HF and llama.cpp, against the bandwidth bound")
+    p.add_argument("--model", default=DEFAULT_TARGET)
+    p.add_argument("--threads", type=threads, default=0)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--drafter", help="drafter for the DSpark rows (default: the shipped one)")
+    p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"])
+    p.add_argument("--max-new-tokens", type=positive_int, default=96)
+    p.add_argument("--out", default="bench")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_bench_engine)
+
     p = sub.add_parser("bench-train", help="cost of a training step under each efficiency lever")
     p.add_argument("--data", required=True, help="regenerated JSONL")
     p.add_argument("--model", default=DEFAULT_TARGET)
@@ -590,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("out", help="a new folder (the calibration and model card travel with the weights)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
-    add_target_args(p)
+    add_target_args(p, auto_dtype=False)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("profile", help="measure the verify cost table SPS(B) of this machine (JSON)")

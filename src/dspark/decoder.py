@@ -33,6 +33,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+class Int8Weight:
+    """A weight-only int8 matrix: per-output-channel scales, products in the activations' precision."""
+
+    def __init__(self, weight: torch.Tensor):
+        scale = weight.float().abs().amax(dim=1).clamp_min(1e-8) / 127
+        self.q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.scale = scale.to(weight.dtype)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.q.to(self.scale.dtype) * self.scale[:, None]
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a float or an int8 weight."""
+    if isinstance(weight, Int8Weight):
+        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
+        out = out.view(*x.shape[:-1], -1)
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several Linear layers on the same input; each layer's parameters become views of
     it, so the HF module computes exactly what it did and the memory is not doubled."""
@@ -82,6 +103,13 @@ class LeanDecoder:
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
             ))
 
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every matrix of every layer (the embedding lookup stays as it is). The HF model keeps
+        its float weights: it stays the reference."""
+        for p in self.layers:
+            for name in ("qkv_w", "o_w", "gate_up", "down"):
+                p[name] = Int8Weight(p[name])
+
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
         return KVCache(len(self.layers), batch_size, self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device,
                        capacity)
@@ -103,7 +131,7 @@ class LeanDecoder:
         wanted, captured = set(capture), {}
         for i, p in enumerate(self.layers):
             h = rms_norm(x, p["in_norm"], self.eps)
-            q, k, v = F.linear(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = linear(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
             q, k, v = (t.view(batch, width, -1, self.head_dim) for t in (q, k, v))
             if p["q_norm"] is not None:
                 q, k = rms_norm(q, p["q_norm"], self.eps), rms_norm(k, p["k_norm"], self.eps)
@@ -113,9 +141,9 @@ class LeanDecoder:
             keys, values = cache.view(i, upto)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.kv_heads != self.heads)
-            x = x + F.linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
-            gate, up = F.linear(rms_norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(self.act(gate) * up, p["down"])
+            x = x + linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
+            gate, up = linear(rms_norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(self.act(gate) * up, p["down"])
             if i in wanted:
                 captured[i] = x
         cache.lengths = cache.lengths + num_new

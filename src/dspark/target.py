@@ -11,13 +11,12 @@ from dataclasses import dataclass
 from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
 from dspark.errors import DSparkError
-from dspark.decoder import LeanDecoder
+from dspark.decoder import Int8Weight, LeanDecoder, linear
 from dspark.kvcache import KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,6 +55,8 @@ class Target:
         self.name = name
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
+        self.head_weight = self.lm_head.weight  # or its Int8Weight after quantize_int8()
+        self.quantization = None
         self.decoder = LeanDecoder(self.model)
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
@@ -65,7 +66,8 @@ class Target:
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None, device="cpu") -> Target:
+    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None, device="cpu",
+             quantize: str | None = None) -> Target:
         path = models.resolve(name_or_path)
         try:
             config = AutoConfig.from_pretrained(path)
@@ -86,7 +88,10 @@ class Target:
             raise DSparkError(f"cannot load the model in {path}: {e}") from e
         finally:
             hf_logging.enable_progress_bar()
-        return cls(model.to(device), tokenizer, name=name_or_path, layer_ids=layer_ids)
+        target = cls(model.to(device), tokenizer, name=name_or_path, layer_ids=layer_ids)
+        if quantize not in (None, "none", "int8"):
+            raise DSparkError(f"unknown quantization '{quantize}'; use int8 (weight-only) or none")
+        return target.quantize_int8() if quantize == "int8" else target
 
     def validate_layer_ids(self, layer_ids: list[int]) -> None:
         for i in layer_ids:
@@ -171,7 +176,15 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.head_weight).float()
+
+    def quantize_int8(self) -> Target:
+        """Weight-only int8 (per-channel scales) for every matrix the decode step streams, LM head included. Plain
+        and speculative decoding both run this quantized target, so they still agree token for token."""
+        self.decoder.quantize_int8()
+        self.head_weight = Int8Weight(self.lm_head.weight.data)
+        self.quantization = "int8"
+        return self
 
     @torch.no_grad()
     def forward(

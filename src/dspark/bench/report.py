@@ -260,3 +260,64 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
                    f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) |")
     out += ["", f"![training curves]({plot})", ""]
     return "\n".join(out)
+
+
+def engine_section(run: dict, command: str, plot: str) -> str:
+    """The `engine` section of BENCHMARKS.md: forward cost per engine against the bandwidth bound, then decoding speed."""
+    m = run["machine"]
+    out = ["## engine", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
+           f"{', '.join(m['cpu_flags']) or 'n/a'}; torch {m['torch']}. Matrix-vector bandwidth measured here: "
+           f"{run['bandwidth_gbs']} GB/s; the bound is the weight bytes one step reads divided by it."]
+    if run["llama_cpp"]:
+        lc = run["llama_cpp"]
+        out.append(f"llama.cpp: llama-cpp-python {lc['version']} built on this machine, {lc['file']} (4-bit weights, so "
+                   f"not the same arithmetic), {lc['threads']} threads, weight repacking off.")
+    counts = sorted({int(n) for r in run["forward"] for n in r["ms"]})
+    out += ["", "Milliseconds per forward of n new tokens on a 256-token cache (logits of every new token; ours and HF "
+            "also return the drafter's features):", "",
+            "| precision | engine | " + " | ".join(f"n={n}" for n in counts) + " | n=8 ÷ n=1 |",
+            "| --- " * (len(counts) + 3) + "|"]
+    for r in run["forward"]:
+        ms = r["ms"]
+        ratio = f"{ms['8'] / ms['1']:.2f}" if "8" in ms and "1" in ms else "–"
+        out.append(f"| {r['dtype']} | {r['engine']} | " + " | ".join(_fmt(ms.get(str(n)), 1) for n in counts)
+                   + f" | {ratio} |")
+    engines = [k for k in run["decode"][0] if k not in ("dtype", "dataset") and not k.endswith(("tau", "identical"))]
+    out += ["", "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
+            "scheduled; τ and whether its output is identical to our plain decoding in brackets):", "",
+            "| precision | set | " + " | ".join(engines) + " |", "| --- " * (len(engines) + 2) + "|"]
+    for r in run["decode"]:
+        cells = []
+        for e in engines:
+            cell = f"{r[e]:.1f}"
+            if f"{e} tau" in r:
+                cell += f" (τ {r[e + ' tau']}, {'same' if r[e + ' identical'] else 'differs'})"
+            cells.append(cell)
+        out.append(f"| {r['dtype']} | {r['dataset']} | " + " | ".join(cells) + " |")
+    out += ["", f"![forward cost]({plot})", ""]
+    return "\n".join(out)
+
+
+def engine_plot(run: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in run["forward"]:
+        label = f"{r['engine']} ({r['dtype']})"
+        if r["engine"] == "bandwidth bound":
+            ax.axhline(r["ms"]["1"], linestyle="--", linewidth=1, color="grey")
+            ax.text(1, r["ms"]["1"], " " + label, va="bottom", fontsize=7, color="grey")
+            continue
+        xs = sorted(int(n) for n in r["ms"])
+        ax.plot(xs, [r["ms"][str(n)] for n in xs], marker="o", label=label)
+    ax.set(xscale="log", xlabel="new tokens per forward", ylabel="ms per forward", ylim=(0, None),
+           title="What a verify costs: forward time against tokens")
+    ax.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)

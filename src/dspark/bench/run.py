@@ -115,7 +115,7 @@ def drafter_info(path: str, drafter) -> dict:
     }
 
 
-def _hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingParams, lookup: int):
+def hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingParams, lookup: int):
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=target.tokenizer.eos_token_id)
     if sampling.greedy:
         kwargs.update(do_sample=False)
@@ -175,7 +175,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                                 r = generate_plain(target, [ids], cfg.max_new_tokens, sampling)[0]
                                 tokens, seconds = r.token_ids, r.seconds
                             elif m in PEERS:
-                                tokens, seconds = _hf_generate(target, ids, cfg.max_new_tokens, sampling,
+                                tokens, seconds = hf_generate(target, ids, cfg.max_new_tokens, sampling,
                                                                cfg.lookup_tokens if m == "hf-lookup" else 0)
                             else:
                                 r = engines[m].generate([ids], cfg.max_new_tokens, sampling)[0]

@@ -63,22 +63,30 @@ class CostTable:
 
 
 @torch.no_grad()
-def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7) -> CostTable:
-    """Median time of a forward over n new tokens on a `context`-token cache (rolled back after each), batch 1."""
-    cache = target.new_cache(1)
-    ids = torch.randint(0, min(target.vocab_size, 5000), (1, context + max(token_counts)), device=target.device)
-    target.forward(cache, ids[:, :context], logits="last", features=True)
-    times = []
-    for n in token_counts:
-        samples = []
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            target.forward(cache, ids[:, context : context + n], features=True)
-            samples.append(time.perf_counter() - start)
-            cache.rollback(cache.lengths - n)
-        times.append(round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3))
-    return CostTable(list(token_counts), times, {"dtype": str(target.dtype).replace("torch.", ""), "context": context,
-                                                 "batch_size": 1, "threads": torch.get_num_threads(), "target": target.name})
+def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7,
+                   batch_sizes=(1,)) -> CostTable:
+    """Median time of the engine's verify forward (logits and drafter features) over n new tokens per row on a
+    `context`-token cache (rolled back after each), for each batch size. The table is indexed by the tokens a
+    forward carries in total (batch x tokens per row); every measurement is kept in meta["grid"]."""
+    grid, by_total = [], {}
+    for batch in batch_sizes:
+        cache = target.new_cache(batch)
+        ids = torch.randint(0, min(target.vocab_size, 5000), (batch, context + max(token_counts)), device=target.device)
+        target.forward(cache, ids[:, :context], logits="last", features=True)
+        for n in token_counts:
+            samples = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                target.forward(cache, ids[:, context : context + n], features=True)
+                samples.append(time.perf_counter() - start)
+                cache.rollback(cache.lengths - n)
+            ms = round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3)
+            grid.append({"batch_size": batch, "tokens_per_row": n, "ms": ms})
+            by_total.setdefault(batch * n, []).append(ms)
+    totals = sorted(by_total)
+    return CostTable(totals, [round(sum(by_total[t]) / len(by_total[t]), 3) for t in totals],
+                     {"dtype": str(target.dtype).replace("torch.", ""), "context": context, "grid": grid,
+                      "threads": torch.get_num_threads(), "target": target.name})
 
 
 def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:

@@ -1,0 +1,167 @@
+"""`dspark bench-engine`: what one forward costs, against the machine's physical limit and against other engines.
+
+Side by side in one run, per precision: milliseconds per forward of n = 1..16 new tokens on a cached context for
+our decoder, the Hugging Face model it replaces, and llama.cpp running the GGUF file the model package ships (when
+llama-cpp-python is installed; that file is 4-bit, so it streams fewer bytes than either torch precision); the
+memory-bandwidth bound (weight bytes ÷ the bandwidth a large matrix-vector product reaches here); then plain
+decoding tokens/s of each engine and DSpark tokens/s (fixed γ and scheduled) on the evaluation sets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+
+import torch
+
+from dspark.assets import eval_prompts
+from dspark.bench.run import hf_generate
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.decoding.policy import FixedLength
+from dspark.sampling import SamplingParams
+
+
+def median_ms(fn, repeats: int, undo=lambda: None) -> float:
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+        undo()
+    samples = sorted(samples[1:])
+    return round(1000 * samples[len(samples) // 2], 2)
+
+
+def memory_bandwidth_gbs(gib: float = 0.5) -> float:
+    """Bytes per second a large float32 matrix-vector product streams (the kind of read a decode step is)."""
+    rows = int(gib * 2**30 / 4 / 8192)
+    weight, x = torch.randn(rows, 8192), torch.randn(1, 8192)
+    ms = median_ms(lambda: torch.nn.functional.linear(x, weight), 5)
+    return round(weight.numel() * 4 / (ms / 1000) / 1e9, 1)
+
+
+def streamed_bytes(target) -> int:
+    """Bytes of weights one step reads: every parameter once (a tied embedding is read whole as the LM head)."""
+    seen, total = set(), 0
+    for p in target.model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+@torch.no_grad()
+def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> dict:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    target.model(context_ids, cache=cache, use_cache=True)
+    out = {}
+    for n in counts:
+        ids = context_ids[:, :n]
+        out[n] = median_ms(lambda: target.model(ids, cache=cache, use_cache=True, output_hidden_states=True),
+                           repeats, lambda: cache.crop(-n))
+    return out
+
+
+def llama_cpp_model(model: str, threads: int):
+    """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not installed, or a target
+    that ships no GGUF)."""
+    from dspark.models import KNOWN_TARGETS, _package_folder
+
+    if importlib.util.find_spec("llama_cpp") is None or model not in KNOWN_TARGETS:
+        return None
+    import llama_cpp
+
+    spec = KNOWN_TARGETS[model]
+    # Weight repacking for AMX faults on machines that report AMX but do not grant its tile state; plain kernels.
+    params = llama_cpp.llama_model_default_params
+
+    def no_repack():
+        p = params()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_cpp.llama_model_default_params = no_repack
+    llama_cpp.llama.llama_cpp.llama_model_default_params = no_repack
+    return llama_cpp.Llama(str(_package_folder(spec) / spec.gguf_file), n_ctx=2048, n_threads=threads, n_batch=512,
+                           logits_all=True, verbose=False)
+
+
+def llama_forward_ms(llm, context_ids: list[int], counts, repeats: int) -> dict:
+    llm.reset()
+    llm.eval(context_ids)
+    base = llm.n_tokens
+
+    def undo():
+        llm._ctx.kv_cache_seq_rm(0, base, -1)
+        llm.n_tokens = base
+
+    return {n: median_ms(lambda: llm.eval(context_ids[:n]), repeats, undo) for n in counts}
+
+
+def llama_generate(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[int, float]:
+    """Greedy completion through llama-cpp-python's own loop (it stops at the model's end-of-text token)."""
+    llm.reset()
+    start = time.perf_counter()
+    out = llm.create_completion(prompt=prompt_ids, max_tokens=max_new_tokens, temperature=0.0)
+    return out["usage"]["completion_tokens"], time.perf_counter() - start
+
+
+def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens: int, counts=(1, 2, 4, 8, 16),
+                     context: int = 256, repeats: int = 7, bandwidth_gib: float = 0.5, progress=print) -> dict:
+    from dspark.drafter import load_drafter
+    from dspark.scheduling.planner import build_scheduler
+    from dspark.scheduling.profile import profile_target
+    from dspark.target import Target
+
+    threads = torch.get_num_threads()
+    run = {"bandwidth_gbs": memory_bandwidth_gbs(bandwidth_gib), "forward": [], "decode": [], "llama_cpp": None}
+    progress(f"memory bandwidth {run['bandwidth_gbs']} GB/s")
+    llm = llama_cpp_model(model, threads)
+    if llm is not None:
+        import llama_cpp
+
+        run["llama_cpp"] = {"version": llama_cpp.__version__, "file": Path(llm.model_path).name, "threads": threads}
+    for dtype in dtypes:
+        target = Target.load(model, dtype=dtype)
+        context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
+        ours = profile_target(target, counts, context, repeats)
+        rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms)),
+                "hf": hf_forward_ms(target, context_ids, counts, repeats)}
+        if llm is not None and dtype == dtypes[0]:
+            rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
+        bound = round(streamed_bytes(target) / (run["bandwidth_gbs"] * 1e9) * 1000, 2)
+        for engine, times in rows.items():
+            run["forward"].append({"dtype": dtype if engine != "llama.cpp" else "Q4_1", "engine": engine,
+                                   "ms": {str(n): ms for n, ms in times.items()}})
+            progress(f"{dtype} {engine}: {times}")
+        run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
+
+        drafter = load_drafter(drafter_path, target)
+        engines = {"dspark": SpeculativeEngine(target, drafter, FixedLength()),
+                   "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
+        warm = target.encode_chat("Hi!")
+        for e in engines.values():
+            e.generate([warm], 4)
+        generate_plain(target, [warm], 4)
+        for name in datasets:
+            ids = target.encode_chat(eval_prompts(name, 1)[0])
+            plain = generate_plain(target, [ids], max_new_tokens)[0]
+            row = {"dtype": dtype, "dataset": name, "ours": round(plain.tokens_per_s, 2)}
+            hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
+            row["hf"] = round(len(hf_tokens) / seconds, 2)
+            if llm is not None and dtype == dtypes[0]:
+                count, seconds = llama_generate(llm, ids, max_new_tokens)
+                row["llama.cpp"] = round(count / seconds, 2)
+            for label, e in engines.items():
+                result = e.generate([ids], max_new_tokens)[0]
+                row[label] = round(result.tokens_per_s, 2)
+                row[f"{label} tau"] = round(result.stats.tau, 2)
+                row[f"{label} identical"] = result.token_ids == plain.token_ids
+            run["decode"].append(row)
+            progress(str(row))
+        del target, drafter, engines
+    return run
