@@ -49,9 +49,14 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.T
     """x @ weight.T (+ bias) for a float or an int8 weight."""
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
-        out = out.view(*x.shape[:-1], -1)
-        return out if bias is None else out + bias
-    return F.linear(x, weight, bias)
+    elif weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
+        # One bfloat16 row (a plain decode step): the matrix-vector kernel streams the weight 1.4-1.7x faster than
+        # the matrix-matrix one on the CPUs measured (docs in BENCHMARKS.md, engine section).
+        out = torch.mv(weight, x.reshape(-1))
+    else:
+        return F.linear(x, weight, bias)
+    out = out.view(*x.shape[:-1], -1)
+    return out if bias is None else out + bias
 
 
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:

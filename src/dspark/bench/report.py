@@ -283,14 +283,15 @@ def engine_section(run: dict, command: str, plot: str) -> str:
         ratio = f"{ms['8'] / ms['1']:.2f}" if "8" in ms and "1" in ms else "–"
         out.append(f"| {r['dtype']} | {r['engine']} | " + " | ".join(_fmt(ms.get(str(n)), 1) for n in counts)
                    + f" | {ratio} |")
-    engines = [k for k in run["decode"][0] if k not in ("dtype", "dataset") and not k.endswith(("tau", "identical"))]
+    engines = [k for k in dict.fromkeys(k for r in run["decode"] for k in r)
+               if k not in ("dtype", "dataset") and not k.endswith(("tau", "identical"))]
     out += ["", "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
             "scheduled; τ and whether its output is identical to our plain decoding in brackets):", "",
             "| precision | set | " + " | ".join(engines) + " |", "| --- " * (len(engines) + 2) + "|"]
     for r in run["decode"]:
         cells = []
         for e in engines:
-            cell = f"{r[e]:.1f}"
+            cell = f"{r[e]:.1f}" if e in r else "–"
             if f"{e} tau" in r:
                 cell += f" (τ {r[e + ' tau']}, {'same' if r[e + ' identical'] else 'differs'})"
             cells.append(cell)
