@@ -316,3 +316,36 @@ def test_torchrun_two_processes_equal_one_process_with_accumulation(tiny_run, tm
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert state["loop"]["tokens"] == json.loads((tmp_path / "single" / "checkpoint" / "trainer_state.json")
                                                  .read_text())["loop"]["tokens"]
+
+
+def test_a_base_model_without_chat_template_regenerates_and_trains(tiny_run, tmp_path):
+    """Plain-text prompts end to end: what regeneration fed the target is exactly what training reads."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from dspark.target import Target
+    from dspark.training.data import examples_from_record, read_records
+    from dspark.training.regenerate import regenerate
+    from dspark.training.trainer import train
+
+    folder, _ = tiny_run
+    base = tmp_path / "base"
+    shutil.copytree(folder, base)
+    tok = AutoTokenizer.from_pretrained(base)
+    tok.chat_template = None
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    target = Target.load(str(base))
+    assert not target.tokenizer.chat_template
+    prompts = [{"id": f"b{i}", "messages": [{"role": "user", "content": f"t{5 + i} t{9 + i} t{20 + i}"}]} for i in range(12)]
+    data = tmp_path / "regen.jsonl"
+    regenerate(target, prompts, data, max_new_tokens=12, batch_size=4, progress=False)
+    record = read_records(data)[0]
+    example = examples_from_record(target.tokenizer, record, 1024)[0]
+    prompt = target.encode_chat(record["messages"][:1])
+    assert example.input_ids[: len(prompt)] == prompt and example.loss_mask[: len(prompt)] == [0] * len(prompt)
+    train(tiny_config(base, data, tmp_path / "run", max_steps=2, holdout=0.0), progress=False)
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()

@@ -436,10 +436,12 @@ def cmd_profile(args) -> int:
 
     check_output_file(args.out, "--out")
     target = load_target(args)
-    table = profile_target(target, tuple(args.token_counts), args.context, args.repeats)
+    table = profile_target(target, tuple(args.token_counts), args.context, args.repeats, tuple(args.batch_sizes))
     table.save(args.out)
-    for n, t in zip(table.token_counts, table.step_time_ms):
-        print(f"{n:>4} tokens  {t:8.2f} ms  ({t / table.step_time_ms[0]:.2f}x one token)")
+    one = table.meta["grid"][0]["ms"]
+    for g in table.meta["grid"]:
+        print(f"batch {g['batch_size']:>3} x {g['tokens_per_row']:>3} tokens  {g['ms']:8.2f} ms  "
+              f"({g['ms'] / one:.2f}x one token)")
     print(f"dspark: wrote {args.out}", file=sys.stderr)
     return 0
 
@@ -664,6 +666,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--token-counts", type=positive_int, nargs="+", default=[1, 2, 3, 4, 5, 6, 8, 12, 16])
     p.add_argument("--context", type=positive_int, default=256)
     p.add_argument("--repeats", type=positive_int, default=7)
+    p.add_argument("--batch-sizes", type=positive_int, nargs="+", default=[1],
+                   help="rows per forward; the table is indexed by the tokens a forward carries in all")
     p.set_defaults(func=cmd_profile)
 
     p = sub.add_parser("calibrate", help="fit STS temperatures of a drafter's confidence head on real rounds")

@@ -41,6 +41,15 @@ def default_layer_ids(num_layers: int, count: int = 5) -> list[int]:
     return sorted({round(lo + i * (hi - lo) / (count - 1)) for i in range(count)})
 
 
+def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids that prompt for the assistant's next reply: the model's chat template, or for a base model that
+    ships none, the messages' texts one per line."""
+    if tokenizer.chat_template:
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=True)["input_ids"])
+    return tokenizer.encode("\n".join(m["content"] for m in messages))
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor | None  # [B, n, V] float32
@@ -146,9 +155,7 @@ class Target:
             messages = [{"role": "user", "content": messages}]
         if not messages or not any(m.get("content", "").strip() for m in messages):
             raise DSparkError("the prompt is empty; give the model something to answer")
-        if self.tokenizer.chat_template:
-            return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
-        return self.tokenizer.encode("\n".join(m["content"] for m in messages))
+        return prompt_ids(self.tokenizer, messages)
 
     def unused_token_id(self) -> int:
         """A token id the target never emits in chat, for the drafter's mask token: the first embedding row beyond

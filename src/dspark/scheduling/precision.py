@@ -58,9 +58,9 @@ def choose_precision(model: str, load) -> PrecisionChoice:
         times[dtype] = {str(n): ms for n, ms in zip(table.token_counts, table.step_time_ms)}
     cost = {dtype: t["1"] + t["8"] for dtype, t in times.items()}
     dtype = min(cost, key=cost.get)
-    reason = (f"this CPU has {'/'.join(native)}; measured here, a 1-token step took {times['bfloat16']['1']} ms in "
-              f"bfloat16 vs {times['float32']['1']} ms in float32, an 8-token verify {times['bfloat16']['8']} vs "
-              f"{times['float32']['8']} ms")
+    bf, fp = times["bfloat16"], times["float32"]
+    reason = (f"this CPU has {'/'.join(native)}; measured here, a 1-token step took {bf['1']:.1f} ms in bfloat16 vs "
+              f"{fp['1']:.1f} ms in float32, an 8-token verify {bf['8']:.1f} vs {fp['8']:.1f} ms")
     choice = PrecisionChoice(dtype, reason, times)
     atomic_write_json(path, asdict(choice))
     return choice

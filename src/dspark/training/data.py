@@ -12,6 +12,7 @@ from pathlib import Path
 
 from dspark.errors import DSparkError
 from dspark.fsutil import jsonl_lines, read_jsonl
+from dspark.target import prompt_ids
 
 ROLES = ("system", "user", "assistant")
 
@@ -87,11 +88,13 @@ class Example:
 
 
 def assistant_tokens(tokenizer, history: list[dict], answer: dict) -> list[int]:
-    """The tokens the chat template gives an assistant message: full render minus the render that prompts for it."""
-    prefix = tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-    full = tokenizer.apply_chat_template(history + [answer], tokenize=True, return_dict=True)["input_ids"]
-    if list(full[: len(prefix)]) == list(prefix):
-        return list(full[len(prefix):])
+    """The tokens the chat template gives an assistant message: full render minus the render that prompts for it
+    (for a model without a template, the answer's text and the end-of-text token)."""
+    if tokenizer.chat_template:
+        prefix = prompt_ids(tokenizer, history)
+        full = tokenizer.apply_chat_template(history + [answer], tokenize=True, return_dict=True)["input_ids"]
+        if list(full[: len(prefix)]) == list(prefix):
+            return list(full[len(prefix):])
     return tokenizer.encode(answer["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
 
 
@@ -106,7 +109,7 @@ def examples_from_record(tokenizer, record: dict, max_length: int) -> list[Examp
         if m["role"] != "assistant":
             continue
         history = messages[:i]
-        prompt = list(tokenizer.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+        prompt = prompt_ids(tokenizer, history)
         answer = list(exact[turn]) if exact else assistant_tokens(tokenizer, history, m)
         turn += 1
         ids = (prompt + answer)[:max_length]
