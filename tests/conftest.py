@@ -101,7 +101,8 @@ class NoisyOracle:
     the drafted tokens (high after a draft that equals the target's argmax), as a real confidence head's do: that
     dependence is what the scheduler's early stop must not leak into the output.
 
-    The engine must be given the prompts this oracle was built with, in the same order."""
+    The engine must be given the prompts this oracle was built with, in the same order (rows are matched to
+    prompts in the order they are admitted; an empty cache starts a new batch)."""
 
     def __init__(self, target, prompts, block_size=5, noise=0.3, seed=0):
         self.target, self.prompts, self.block_size, self.noise = target, prompts, block_size, noise
@@ -112,8 +113,12 @@ class NoisyOracle:
         return self
 
     def new_cache(self, batch_size):
-        assert batch_size == len(self.prompts)
-        return OracleCache([list(p[:1]) for p in self.prompts])
+        if batch_size == 0:
+            self.admitted = 0
+        rows = self.prompts[self.admitted : self.admitted + batch_size]
+        assert len(rows) == batch_size
+        self.admitted += batch_size
+        return OracleCache([list(p[:1]) for p in rows])
 
     def extend_context(self, cache, features, num_new, next_ids):
         for b, n in enumerate(num_new.tolist()):
@@ -122,7 +127,7 @@ class NoisyOracle:
     def propose(self, cache, anchor_ids, sampling, generators=None):
         from dspark.decoding.requests import pad_prompts
         from dspark.proposer import Proposal
-        from dspark.sampling import logits_to_probs, sample_rows
+        from dspark.sampling import all_greedy, rows_to_probs, sample_rows
 
         seqs = [list(h) for h in cache.histories]
         assert [s[-1] for s in seqs] == anchor_ids.tolist()
@@ -133,12 +138,12 @@ class NoisyOracle:
             ids, lengths = pad_prompts(seqs, "cpu")
             logits = self.target.forward_sequences(ids, lengths).logits[torch.arange(batch), lengths - 1]
             conf.append(torch.where(hit, 2.0, -1.0) + 0.5 * torch.randn(batch, generator=self.generator))
-            if sampling.greedy:
+            if all_greedy(sampling):
                 draft = logits.argmax(-1)
                 noisy = torch.rand(batch, generator=self.generator) < self.noise
                 draft = torch.where(noisy, torch.randint(0, vocab, (batch,), generator=self.generator), draft)
             else:
-                p = (1 - self.noise) * logits_to_probs(logits, sampling) + self.noise / vocab
+                p = (1 - self.noise) * rows_to_probs(logits, sampling) + self.noise / vocab
                 draft = sample_rows(p, generators)
                 probs.append(p)
             hit = draft == logits.argmax(-1)
@@ -154,3 +159,6 @@ class OracleCache:
 
     def select(self, rows):
         self.histories = [self.histories[i] for i in rows.tolist()]
+
+    def merge(self, other):
+        self.histories += other.histories

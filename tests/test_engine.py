@@ -283,3 +283,49 @@ def test_unsupported_family_is_refused_clearly():
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     with pytest.raises(DSparkError, match="'gemma2' models are not supported yet"):
         Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 1), name="tiny-gemma", layer_ids=[0, 2])
+
+
+def test_requests_join_and_leave_between_rounds():
+    """Continuous batching: rows admitted while others run, and a cancelled row, leave every other output unchanged;
+    each request keeps its own sampling parameters (greedy rows beside sampled ones)."""
+    from dspark.decoding.requests import RequestState
+
+    target = tiny_target(eos=7)
+    prompts = prompts_for(target, [6, 1, 13, 4, 9])
+    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.3))
+    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
+    sampled = SamplingParams(temperature=1.0, seed=5)
+    batch = engine.new_batch()
+
+    def admit(indices, params):
+        requests = [RequestState(i, prompts[i], 30, target.stop_token_ids) for i in indices]
+        engine.admit(batch, requests, [params] * len(indices), params.generators(len(indices)))
+        return requests
+
+    first = admit([0, 1], SamplingParams())
+    finished = engine.step(batch) + engine.step(batch)
+    later = admit([2, 3], SamplingParams())  # join mid-stream
+    noisy = admit([4], sampled)  # a sampled request in the same batch
+    finished += engine.step(batch)
+    engine.cancel(batch, 3)
+    while batch.rows:
+        finished += engine.step(batch)
+    assert [r.output for r in first + later[:1]] == [expected[0], expected[1], expected[2]]
+    assert later[1].finish_reason == "cancelled" and later[1].output == expected[3][: len(later[1].output)]
+    assert noisy[0].finished and len(noisy[0].output) > 0
+    assert {r.request.index for r in finished} == {0, 1, 2, 3, 4}
+
+
+def test_without_a_drafter_the_loop_is_plain_decoding():
+    target = tiny_target(eos=7)
+    prompts = prompts_for(target, [6, 1, 13])
+    engine = SpeculativeEngine(target)
+    assert [r.token_ids for r in engine.generate(prompts, 25)] == [r.token_ids for r in generate_plain(target, prompts, 25)]
+    params = SAMPLING_CASES[1]
+    peaked = peaked_target()
+    seqs, probs = exact_distribution(peaked, [1, 2, 3], 4, params)
+    results = SpeculativeEngine(peaked).generate([[1, 2, 3]] * 4000, 4, params, stop_token_ids=set())
+    counts = {}
+    for r in results:
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+    assert chi_square_p(seqs, probs, counts, 4000) > 1e-3

@@ -11,7 +11,7 @@ from typing import Protocol
 
 import torch
 
-from dspark.sampling import SamplingParams
+from dspark.sampling import Sampling
 
 
 @dataclass
@@ -35,5 +35,5 @@ class Proposer(Protocol):
         """Append the target features of newly accepted tokens ([B, n, F], the first num_new[b] real); next_ids
         [B, n] is the token after each new position."""
 
-    def propose(self, cache, anchor_ids: torch.Tensor, sampling: SamplingParams,
+    def propose(self, cache, anchor_ids: torch.Tensor, sampling: Sampling,
                 generators: list[torch.Generator] | None = None) -> Proposal: ...

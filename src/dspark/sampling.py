@@ -45,8 +45,20 @@ class SamplingParams:
         return gens
 
 
+# One SamplingParams for a whole batch, or one per row (requests of a server batch each bring their own).
+Sampling = SamplingParams | list[SamplingParams]
+
+
+def all_greedy(sampling: Sampling) -> bool:
+    return sampling.greedy if isinstance(sampling, SamplingParams) else all(p.greedy for p in sampling)
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Temperature, then top-k, then top-p; float32 probabilities over the last dimension."""
+    """Temperature, then top-k, then top-p; float32 probabilities over the last dimension. Greedy (temperature 0)
+    is the one-hot distribution of the argmax, so a greedy row can share a sampled batch's rejection sampling: it
+    then accepts exactly the drafts that equal the target's argmax and adds the argmax."""
+    if params.greedy:
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -62,13 +74,27 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     return probs
 
 
+def rows_to_probs(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """logits_to_probs over logits [B, ..., V] with each row's own parameters (rows that share them together)."""
+    if isinstance(sampling, SamplingParams):
+        return logits_to_probs(logits, sampling)
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    groups: dict[SamplingParams, list[int]] = {}
+    for row, params in enumerate(sampling):
+        groups.setdefault(params, []).append(row)
+    for params, rows in groups.items():
+        index = torch.tensor(rows, device=logits.device)
+        out[index] = logits_to_probs(logits[index], params)
+    return out
+
+
 def sample_rows(probs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
     """One token per row of probs [B, V], each row with its own generator."""
     return torch.cat([torch.multinomial(probs[i], 1, generator=g) for i, g in enumerate(generators)])
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, generators: list[torch.Generator]) -> torch.Tensor:
+def next_token(logits: torch.Tensor, sampling: Sampling, generators: list[torch.Generator]) -> torch.Tensor:
     """Greedy argmax or a sample from the processed distribution, for logits [B, V]."""
-    if params.greedy:
+    if all_greedy(sampling):
         return logits.argmax(dim=-1)
-    return sample_rows(logits_to_probs(logits, params), generators)
+    return sample_rows(rows_to_probs(logits, sampling), generators)

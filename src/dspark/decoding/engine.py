@@ -1,35 +1,166 @@
-"""The speculative decoding loop (docs/design.md §4), for one request or a ragged batch of them.
+"""The speculative decoding loop (docs/design.md §4), for a batch of requests that join and leave between rounds.
 
 One round, per the paper's Figure 1: the drafter proposes γ tokens after each anchor -> the policy picks how many
 to verify -> the target scores [anchor, drafts] in one forward -> accept a prefix and take the target's next token
 -> roll the target's cache back to what was accepted and feed the accepted tokens' features to the drafter.
+
+`generate` runs a fixed list of prompts to the end. A server drives the same loop one round at a time: `admit` new
+requests into a `Batch` (their prefill), `step` it, `cancel` rows. Without a drafter the loop is plain decoding
+(each round verifies the anchor alone). Every request brings its own sampling parameters and random generator.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
-from dspark.sampling import SamplingParams, next_token
 from dspark.decoding.stats import SpecStats
-from dspark.proposer import Proposer
 from dspark.decoding.verify import verify_greedy, verify_sampling
+from dspark.proposer import Proposer
+from dspark.sampling import SamplingParams, all_greedy, next_token
+
+
+@dataclass
+class Row:
+    request: RequestState
+    sampling: SamplingParams
+    generator: torch.Generator
+    stats: SpecStats
+    started: float
+    finished: float = 0.0
+
+    def result(self) -> GenerationResult:
+        return self.request.result(self.finished - self.started, self.stats)
+
+
+@dataclass
+class Batch:
+    """The rows decoding together, in the order of their cache rows."""
+
+    rows: list[Row] = field(default_factory=list)
+    tcache: object = None
+    dcache: object = None
+    anchors: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter: Proposer, policy=None):
-        target.validate_layer_ids(drafter.target_layer_ids)
-        self.layer_ids = list(drafter.target_layer_ids)  # the features this drafter reads, asked for per forward
+    def __init__(self, target, drafter: Proposer | None = None, policy=None):
         self.target = target
-        self.drafter = drafter.eval()
+        self.drafter = drafter.eval() if drafter is not None else None
+        self.layer_ids = []  # the features the drafter reads, asked for per forward
+        if drafter is not None:
+            target.validate_layer_ids(drafter.target_layer_ids)
+            self.layer_ids = list(drafter.target_layer_ids)
         self.policy = policy or FixedLength()
 
     @property
     def gamma(self) -> int:
-        return self.drafter.block_size
+        return self.drafter.block_size if self.drafter is not None else 0
+
+    def new_batch(self) -> Batch:
+        empty = torch.empty(0, dtype=torch.long, device=self.target.device)
+        return Batch([], self.target.new_cache(0), self.drafter.new_cache(0) if self.drafter else None, empty)
+
+    @torch.no_grad()
+    def admit(self, batch: Batch, requests: list[RequestState], sampling: list[SamplingParams],
+              generators: list[torch.Generator], on_tokens=None) -> None:
+        """Prefill: the target reads each new prompt and says its first token, the anchor of the row's first round."""
+        target, device, start = self.target, self.target.device, time.perf_counter()
+        prompts = [r.prompt for r in requests]
+        tcache = target.new_cache(len(prompts))
+        ids, lengths = pad_prompts(prompts, device)
+        out = target.forward(tcache, ids, lengths, logits="last", features=self.layer_ids)
+        anchors = next_token(out.logits[:, 0], sampling, generators)
+        batch.tcache.merge(tcache)
+        if self.drafter is not None:
+            dcache = self.drafter.new_cache(len(prompts))
+            self.drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
+            batch.dcache.merge(dcache)
+        batch.anchors = torch.cat([batch.anchors, anchors])
+        now = time.perf_counter()
+        for request, params, gen, token in zip(requests, sampling, generators, anchors.tolist()):
+            row = Row(request, params, gen, SpecStats(self.gamma), start)
+            row.stats.prefill_seconds = now - start
+            batch.rows.append(row)
+            emit(request, [token], on_tokens)
+
+    @torch.no_grad()
+    def step(self, batch: Batch, on_tokens=None, on_round=None) -> list[Row]:
+        """One round for every unfinished row. Returns the rows that finished or were cancelled: they have left
+        the batch."""
+        done = self._drop_finished(batch)
+        if not batch.rows:
+            return done
+        target, drafter, device = self.target, self.drafter, self.target.device
+        rows, anchors = batch.rows, batch.anchors
+        sampling, gens = [r.sampling for r in rows], [r.generator for r in rows]
+
+        t0 = time.perf_counter()
+        proposal, ell = None, torch.zeros(len(rows), dtype=torch.long, device=device)
+        if drafter is not None:
+            proposal = drafter.propose(batch.dcache, anchors, sampling, gens)
+            ell = self.policy.lengths(proposal.confidence_logits, self.gamma, len(rows)).to(device)
+            # Never verify past max_new_tokens: those tokens would be cut anyway.
+            room = torch.tensor([r.request.max_new_tokens - len(r.request.output) - 1 for r in rows], device=device)
+            ell = torch.minimum(ell, room.clamp_min(0))
+
+        t1 = time.perf_counter()
+        drafts = proposal.tokens if proposal is not None else anchors.new_zeros(len(rows), 0)
+        width = int(ell.max()) + 1
+        verify_ids = torch.cat([anchors[:, None], drafts], dim=1)[:, :width]
+        out = target.forward(batch.tcache, verify_ids, ell + 1, features=self.layer_ids)
+        if all_greedy(sampling):
+            accepted, batch.anchors = verify_greedy(out.logits, drafts, ell)
+        else:
+            probs = proposal.probs if proposal is not None else None
+            accepted, batch.anchors = verify_sampling(out.logits, probs, drafts, ell, sampling, gens)
+        # Keep [x0, x1..x_a] in the target's cache; the drafter's context grows by the same tokens' features.
+        batch.tcache.rollback(batch.tcache.lengths - (ell + 1) + (accepted + 1))
+        t2 = time.perf_counter()
+        if drafter is not None:
+            drafter.extend_context(batch.dcache, out.features, accepted + 1,
+                                   following(verify_ids, accepted, batch.anchors))
+        t3 = time.perf_counter()
+
+        draft_list, acc, nxt, ells = drafts.tolist(), accepted.tolist(), batch.anchors.tolist(), ell.tolist()
+        share = 1 / len(rows)
+        for i, row in enumerate(rows):
+            row.stats.record(ells[i], acc[i])
+            row.stats.draft_seconds += (t1 - t0) * share
+            row.stats.verify_seconds += (t2 - t1) * share
+            row.stats.context_seconds += (t3 - t2) * share
+            if on_round and proposal is not None and proposal.confidence_logits is not None:
+                on_round(row.request.index, proposal.confidence_logits[i], ells[i], acc[i])
+            emit(row.request, draft_list[i][: acc[i]] + [nxt[i]], on_tokens)
+        return done + self._drop_finished(batch)
+
+    def cancel(self, batch: Batch, index: int) -> None:
+        """Stop a request (its client went away); its row leaves the batch at the next step."""
+        for row in batch.rows:
+            if row.request.index == index and not row.request.finished:
+                row.request.finish_reason = "cancelled"
+
+    def _drop_finished(self, batch: Batch) -> list[Row]:
+        keep = [i for i, r in enumerate(batch.rows) if not r.request.finished]
+        done = [r for r in batch.rows if r.request.finished]
+        now = time.perf_counter()
+        for row in done:
+            row.finished = now
+        if done:
+            index = torch.tensor(keep, dtype=torch.long, device=self.target.device)
+            batch.tcache.select(index)
+            if batch.dcache is not None:
+                batch.dcache.select(index)
+            batch.anchors = batch.anchors[index]
+            batch.rows = [batch.rows[i] for i in keep]
+        return done
 
     @torch.no_grad()
     def generate(
@@ -41,79 +172,23 @@ class SpeculativeEngine:
         on_tokens=None,
         on_round=None,
     ) -> list[GenerationResult]:
-        """on_tokens(request, tokens) streams output; on_round(request, confidence_logits, verified, accepted)
-        sees every round (calibration records them)."""
-        target, drafter, device = self.target, self.drafter, self.target.device
-        stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
-        requests = [RequestState(i, p, max_new_tokens, stop, target.context_window) for i, p in enumerate(prompts)]
-        stats = [SpecStats(self.gamma) for _ in requests]
-        generators = sampling.generators(len(prompts))
-        start = time.perf_counter()
+        """Decode every prompt to its end. on_tokens(request, tokens) streams output; on_round(request,
+        confidence_logits, verified, accepted) sees every round (calibration records them)."""
+        stop = self.target.stop_token_ids if stop_token_ids is None else stop_token_ids
+        requests = [RequestState(i, p, max_new_tokens, stop, self.target.context_window) for i, p in enumerate(prompts)]
+        batch = self.new_batch()
+        self.admit(batch, requests, [sampling] * len(requests), sampling.generators(len(requests)), on_tokens)
+        finished = {}
+        while batch.rows:
+            for row in self.step(batch, on_tokens, on_round):
+                finished[row.request.index] = row
+        return [finished[i].result() for i in range(len(requests))]
 
-        # Prefill: the target reads each prompt and says its first token, the anchor of round one.
-        tcache, dcache = target.new_cache(len(prompts)), drafter.new_cache(len(prompts))
-        ids, lengths = pad_prompts(prompts, device)
-        out = target.forward(tcache, ids, lengths, logits="last", features=self.layer_ids)
-        anchors = next_token(out.logits[:, 0], sampling, generators)
-        drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
-        active = list(range(len(prompts)))
-        prefill = time.perf_counter() - start
-        for r, tok in zip(active, anchors.tolist()):
-            stats[r].prefill_seconds = prefill
-            self._emit(requests[r], [tok], on_tokens)
 
-        while True:
-            keep = [i for i, r in enumerate(active) if not requests[r].finished]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                rows = torch.tensor(keep, device=device)
-                tcache.select(rows)
-                dcache.select(rows)
-                anchors = anchors[rows]
-                active = [active[i] for i in keep]
-            gens = [generators[r] for r in active]
-
-            t0 = time.perf_counter()
-            proposal = drafter.propose(dcache, anchors, sampling, gens)
-            ell = self.policy.lengths(proposal.confidence_logits, self.gamma, len(active)).to(device)
-            # Never verify past max_new_tokens: those tokens would be cut anyway.
-            room = torch.tensor([requests[r].max_new_tokens - len(requests[r].output) - 1 for r in active], device=device)
-            ell = torch.minimum(ell, room.clamp_min(0))
-
-            t1 = time.perf_counter()
-            width = int(ell.max()) + 1
-            verify_ids = torch.cat([anchors[:, None], proposal.tokens], dim=1)[:, :width]
-            out = target.forward(tcache, verify_ids, ell + 1, features=self.layer_ids)
-            if sampling.greedy:
-                accepted, anchors = verify_greedy(out.logits, proposal.tokens, ell)
-            else:
-                accepted, anchors = verify_sampling(out.logits, proposal.probs, proposal.tokens, ell, sampling, gens)
-            # Keep [x0, x1..x_a] in the target's cache; the drafter's context grows by the same tokens' features.
-            tcache.rollback(tcache.lengths - (ell + 1) + (accepted + 1))
-            t2 = time.perf_counter()
-            drafter.extend_context(dcache, out.features, accepted + 1, following(verify_ids, accepted, anchors))
-            t3 = time.perf_counter()
-
-            drafts, acc, nxt, ells = proposal.tokens.tolist(), accepted.tolist(), anchors.tolist(), ell.tolist()
-            share = 1 / len(active)
-            for i, r in enumerate(active):
-                stats[r].record(ells[i], acc[i])
-                stats[r].draft_seconds += (t1 - t0) * share
-                stats[r].verify_seconds += (t2 - t1) * share
-                stats[r].context_seconds += (t3 - t2) * share
-                if on_round and proposal.confidence_logits is not None:
-                    on_round(r, proposal.confidence_logits[i], ells[i], acc[i])
-                self._emit(requests[r], drafts[i][: acc[i]] + [nxt[i]], on_tokens)
-
-        seconds = time.perf_counter() - start
-        return [req.result(seconds, stats[i]) for i, req in enumerate(requests)]
-
-    @staticmethod
-    def _emit(request: RequestState, tokens: list[int], on_tokens) -> None:
-        taken = request.commit(tokens)
-        if on_tokens and taken:
-            on_tokens(request.index, taken)
+def emit(request: RequestState, tokens: list[int], on_tokens) -> None:
+    taken = request.commit(tokens)
+    if on_tokens and taken:
+        on_tokens(request.index, taken)
 
 
 def following(ids: torch.Tensor, last: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:

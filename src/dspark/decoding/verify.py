@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dspark.sampling import SamplingParams, logits_to_probs
+from dspark.sampling import Sampling, rows_to_probs
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor, lengths: torch.Tensor):
@@ -33,12 +33,12 @@ def verify_sampling(
     draft_probs: torch.Tensor,
     draft_tokens: torch.Tensor,
     lengths: torch.Tensor,
-    params: SamplingParams,
+    sampling: Sampling,
     generators: list[torch.Generator],
 ):
     """Rejection sampling: accept x_k with probability min(1, q(x_k)/p(x_k)); at the first rejection sample from
     normalize(max(0, q - p)); when all ℓ are accepted, sample the bonus from q. p and q carry the same processing."""
-    q = logits_to_probs(target_logits, params)
+    q = rows_to_probs(target_logits, sampling)
     accepted, next_tokens = [], []
     for b, gen in enumerate(generators):
         ell = int(lengths[b])

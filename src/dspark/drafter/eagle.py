@@ -18,7 +18,7 @@ from dspark.decoder import rotate
 from dspark.drafter.backbone import _heads
 from dspark.drafter.model import DraftCache, DSparkDrafter, TrainOutput
 from dspark.proposer import Proposal
-from dspark.sampling import SamplingParams
+from dspark.sampling import Sampling
 
 
 class EagleDrafter(DSparkDrafter):
@@ -96,7 +96,7 @@ class EagleDrafter(DSparkDrafter):
         cache.row_state["last"] = h[torch.arange(h.shape[0]), (num_new - 1).clamp_min(0)]
 
     @torch.no_grad()
-    def propose(self, cache: DraftCache, anchor_ids, sampling: SamplingParams, generators=None) -> Proposal:
+    def propose(self, cache: DraftCache, anchor_ids, sampling: Sampling, generators=None) -> Proposal:
         h = cache.row_state["last"]
         upto = int(cache.lengths.max())
         keys, values = cache.view(0, upto)

@@ -22,7 +22,7 @@ from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir
 from dspark.kvcache import KVCache
 from dspark.proposer import Proposal
-from dspark.sampling import SamplingParams, logits_to_probs, sample_rows
+from dspark.sampling import Sampling, all_greedy, rows_to_probs, sample_rows
 
 CHECKPOINT_FORMAT = "dspark-drafter"
 FORMAT_VERSION = 2  # 2: model.safetensors metadata repeats WEIGHT_SHAPING_FIELDS
@@ -236,7 +236,7 @@ class DSparkDrafter(nn.Module):
         self,
         cache: DraftCache,
         anchor_ids: torch.Tensor,
-        sampling: SamplingParams,
+        sampling: Sampling,
         generators: list[torch.Generator] | None = None,
     ) -> Proposal:
         """Draft γ tokens after each anchor [B]: one backbone pass, then the sequential head left to right."""
@@ -265,12 +265,12 @@ class DSparkDrafter(nn.Module):
             tokens.append(prev)
         return Proposal(torch.stack(tokens, dim=1), self.full_vocab_probs(probs), torch.stack(conf, dim=1) if conf else None)
 
-    def draw(self, logits: torch.Tensor, sampling: SamplingParams, generators, probs: list) -> torch.Tensor:
+    def draw(self, logits: torch.Tensor, sampling: Sampling, generators, probs: list) -> torch.Tensor:
         """One draft token per row (target ids): argmax, or a sample whose distribution is appended to `probs`."""
-        if sampling.greedy:
+        if all_greedy(sampling):
             draft = logits.argmax(-1)
         else:
-            p = logits_to_probs(logits, sampling)
+            p = rows_to_probs(logits, sampling)
             draft = sample_rows(p, generators)
             probs.append(p)
         return draft if self.d2t is None else self.d2t[draft]
