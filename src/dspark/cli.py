@@ -563,6 +563,37 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import os
+
+    import uvicorn
+
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.drafter import load_drafter
+    from dspark.serve.app import ServeConfig, create_app
+
+    if not args.drafter and (args.schedule or args.cost_table or args.calibration or args.verify_length is not None
+                             or args.confidence_threshold is not None):
+        raise DSparkError("verification flags (--schedule, --verify-length ...) apply to speculative decoding; "
+                          "add --drafter PATH")
+    check_policy_args(args)
+    check_drafter_arg(args.drafter)
+    config = ServeConfig(model_name=args.served_model_name or args.model,
+                         api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None, max_batch=args.max_batch,
+                         max_concurrent=args.max_concurrent, max_tokens_limit=args.max_tokens_limit,
+                         max_body_bytes=args.max_body_bytes)
+    target = load_target(args)
+    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    engine = SpeculativeEngine(target, drafter, build_policy(args, target, args.drafter) if drafter else None)
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"dspark: serving on {args.host}, reachable from other machines"
+              f"{'' if config.api_key else ' WITHOUT an API key (--api-key or DSPARK_API_KEY)'}", file=sys.stderr)
+    print(f"dspark: serving '{config.model_name}' ({'speculative, ' + engine.policy.describe() if drafter else 'plain'}"
+          f" decoding) on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(create_app(engine, target.tokenizer, config), host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 # ---- parser ----------------------------------------------------------------------------------------------------
 def add_config_flags(p: argparse.ArgumentParser, config_cls, skip=()) -> None:
     """One flag per field of a config dataclass, from the field's type, default and help: an option is declared once,
@@ -602,6 +633,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-plain", action="store_true", help="also run plain decoding; report speed-up and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (continuous batching, plain or speculative)")
+    add_target_args(p)
+    p.add_argument("--drafter", help="drafter checkpoint: decode speculatively (default: plain decoding)")
+    add_policy_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
+    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $DSPARK_API_KEY, else none)")
+    p.add_argument("--served-model-name", help="the model name clients ask for (default: --model)")
+    p.add_argument("--max-batch", type=positive_int, default=32, help="requests decoding together")
+    p.add_argument("--max-concurrent", type=positive_int, default=64,
+                   help="requests admitted or waiting; more are answered 429")
+    p.add_argument("--max-tokens-limit", type=positive_int, default=2048, help="largest max_tokens a request may ask")
+    p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (413 above)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="plain vs DSpark side by side with the shipped drafter")
     add_target_args(p)

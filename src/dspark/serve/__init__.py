@@ -1,0 +1,1 @@
+"""`dspark serve`: the OpenAI-compatible HTTP server (app.py) over one engine loop owning the batch (batcher.py)."""

@@ -1,0 +1,65 @@
+"""What the server reports at /metrics (Prometheus text format), one registry per server."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from dspark.decoding.stats import SpecStats
+
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class ServerMetrics:
+    def __init__(self, gamma: int):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dspark_requests", "finished requests by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("dspark_prompt_tokens", "prompt tokens read", registry=r)
+        self.generated_tokens = Counter("dspark_generated_tokens", "tokens generated", registry=r)
+        self.rounds = Counter("dspark_rounds", "decoding rounds, summed over requests", registry=r)
+        self.verified = Counter("dspark_verified_draft_tokens", "draft tokens sent to verification", registry=r)
+        self.accepted = Counter("dspark_accepted_draft_tokens", "draft tokens accepted", registry=r)
+        self.tau = Gauge("dspark_tau", "tokens per round (accepted drafts + the target's own), all requests so far",
+                         registry=r)
+        self.verified_per_round = Gauge("dspark_verified_per_round", "draft tokens verified per request and round",
+                                        registry=r)
+        self.accept_by_position = Gauge("dspark_accept_by_position",
+                                        "P(draft position k accepted | 1..k-1 accepted and k verified)", ["k"],
+                                        registry=r)
+        self.queue_depth = Gauge("dspark_queue_depth", "requests waiting to join the batch", registry=r)
+        self.active = Gauge("dspark_active_requests", "requests in the batch", registry=r)
+        self.batch_rows = Histogram("dspark_batch_rows", "rows per engine round", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64))
+        self.ttft = Histogram("dspark_time_to_first_token_seconds", "submission to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.latency = Histogram("dspark_request_latency_seconds", "submission to last token", registry=r,
+                                 buckets=LATENCY_BUCKETS)
+        self.latency_quantile = Gauge("dspark_request_latency_quantile_seconds",
+                                      "latency percentiles over the last 1000 requests", ["quantile"], registry=r)
+        self._recent = deque(maxlen=1000)
+        self._stats = SpecStats(max(gamma, 1))
+
+    def record_stats(self, stats: SpecStats) -> None:
+        self._stats = self._stats.merge(stats)
+        self.rounds.inc(stats.rounds)
+        self.verified.inc(stats.verified_tokens)
+        self.accepted.inc(stats.tokens - stats.rounds)
+        s = self._stats
+        if s.rounds:
+            self.tau.set(s.tau)
+            self.verified_per_round.set(s.verified_tokens / s.rounds)
+        for k, p in enumerate(s.accept_by_position(), 1):
+            if p is not None:
+                self.accept_by_position.labels(k=str(k)).set(p)
+
+    def finished(self, reason: str, seconds: float) -> None:
+        self.requests.labels(reason=reason).inc()
+        self.latency.observe(seconds)
+        self._recent.append(seconds)
+        ordered = sorted(self._recent)
+        for q in (0.5, 0.95, 0.99):
+            self.latency_quantile.labels(quantile=str(q)).set(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,218 @@
+"""`dspark serve` on loopback, driven by the official openai client (and raw HTTP where the client hides things):
+streaming and whole answers, 32 concurrent clients, seeded sampling, disconnects, and bad input."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from conftest import tiny_drafter
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.plain import generate_plain
+from dspark.serve.app import ServeConfig, create_app
+from dspark.target import Target
+
+
+class LiveServer:
+    """A real uvicorn server on a free loopback port, in a thread; stopped (gracefully) on exit."""
+
+    def __init__(self, app):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def client(self, key="unused") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics").text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.split("\n") if line.startswith(name))
+
+
+class SlowEngine(SpeculativeEngine):
+    """Rounds that take a while, so a client can leave mid-answer."""
+
+    def step(self, *args, **kwargs):
+        time.sleep(0.03)
+        return super().step(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_run):
+    folder, _ = tiny_run
+    target = Target.load(str(folder))
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=63)
+    return target, drafter
+
+
+def words(n, start=5):
+    return " ".join(f"t{start + i % 50}" for i in range(n))
+
+
+def plain_text(target, messages, max_tokens):
+    ids = generate_plain(target, [target.encode_chat(messages)], max_tokens)[0].token_ids
+    return target.tokenizer.decode(ids, skip_special_tokens=True), len(ids)
+
+
+def test_chat_whole_and_streamed_with_exact_usage(tiny):
+    target, drafter = tiny
+    app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))
+    messages = [{"role": "user", "content": words(6)}]
+    expected, count = plain_text(target, messages, 20)
+    with LiveServer(app) as server:
+        client = server.client()
+        whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+        assert whole.choices[0].message.content == expected
+        assert whole.usage.completion_tokens == count and whole.usage.prompt_tokens == len(target.encode_chat(messages))
+        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                                     stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+            lines = [line for line in r.iter_lines() if line]
+        assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+        text = client.completions.create(model="tiny", prompt=words(4), max_tokens=6, temperature=0)
+        assert text.choices[0].text and text.usage.completion_tokens <= 6
+        assert client.models.list().data[0].id == "tiny"
+        assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_32_concurrent_clients_get_what_they_get_alone(tiny):
+    target, drafter = tiny
+    app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, ServeConfig("tiny", max_batch=16))
+    prompts = [[{"role": "user", "content": words(2 + i % 7, start=5 + i)}] for i in range(32)]
+    expected = [plain_text(target, p, 16)[0] for p in prompts]
+    with LiveServer(app) as server:
+        client = server.client()
+
+        def ask(messages):
+            return client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
+                                                  temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(32) as pool:
+            got = list(pool.map(ask, prompts))
+        assert got == expected
+        assert server.metric("dspark_requests_total") == 32
+        # they were decoded together: more than one row per engine round on average
+        assert server.metric("dspark_batch_rows_sum") > 1.5 * server.metric("dspark_batch_rows_count")
+
+
+def test_seeded_sampling_is_reproducible_and_plain_serving_works(tiny):
+    target, _ = tiny
+    app = create_app(SpeculativeEngine(target), target.tokenizer, ServeConfig("tiny"))  # no drafter: plain
+    with LiveServer(app) as server:
+        client = server.client()
+        ask = lambda seed: client.chat.completions.create(  # noqa: E731
+            model="tiny", messages=[{"role": "user", "content": words(5)}], max_tokens=24, temperature=1.0,
+            seed=seed).choices[0].message.content
+        assert ask(7) == ask(7)
+        assert len({ask(s) for s in range(6)}) > 1
+
+
+def test_a_client_that_leaves_frees_its_row(tiny):
+    target, drafter = tiny
+    app = create_app(SlowEngine(target, drafter), target.tokenizer, ServeConfig("tiny", max_tokens_limit=500))
+    with LiveServer(app) as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": words(5)}], "max_tokens": 500,
+                "temperature": 0, "stream": True}, timeout=30) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i >= 3:
+                    break
+            assert server.metric("dspark_active_requests") == 1
+        deadline = time.monotonic() + 10
+        while server.metric("dspark_active_requests") > 0:
+            assert time.monotonic() < deadline, "the abandoned request kept its row"
+            time.sleep(0.05)
+        assert server.metric('dspark_requests_total{reason="cancelled"}') == 1
+
+
+def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
+    target, drafter = tiny
+    config = ServeConfig("tiny", api_key="sekret", max_body_bytes=4096, max_tokens_limit=64)
+    app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, config)
+    good = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 4}
+    auth = {"Authorization": "Bearer sekret"}
+    with LiveServer(app) as server:
+        post = lambda body, headers=auth, raw=None: httpx.post(  # noqa: E731
+            server.url + "/v1/chat/completions", headers={**headers, "Content-Type": "application/json"},
+            content=raw if raw is not None else json.dumps(body), timeout=30)
+        cases = [
+            (post(good, headers={}), 401, "invalid_api_key"),
+            (post(good, headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key"),
+            (post(None, raw="{not json"), 400, None),
+            (post(dict(good, model="gpt-9")), 404, "model_not_found"),
+            (post(dict(good, max_tokens=-3)), 400, None),
+            (post(dict(good, max_tokens=10_000)), 400, None),
+            (post(dict(good, temperature=float("inf")), raw=json.dumps(dict(good, temperature=1e999))), 400, None),
+            (post(dict(good, messages=[{"role": "user", "content": words(1100)}])), 413, "request_too_large"),
+        ]
+        for response, status, code in cases:
+            assert response.status_code == status, (status, response.text)
+            assert "message" in response.json()["error"] and (code is None or response.json()["error"]["code"] == code)
+        with pytest.raises(openai.AuthenticationError):
+            server.client("wrong").chat.completions.create(**good)
+        ok = server.client("sekret").chat.completions.create(**good)
+        assert ok.choices[0].message.content is not None
+    long_prompt = dict(good, messages=[{"role": "user", "content": words(1100)}])
+    big = ServeConfig("tiny", max_body_bytes=1 << 20)
+    with LiveServer(create_app(SpeculativeEngine(target, drafter), target.tokenizer, big)) as server:
+        response = httpx.post(server.url + "/v1/chat/completions", json=long_prompt, timeout=30)
+        assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+        assert httpx.post(server.url + "/v1/chat/completions", json=good, timeout=30).status_code == 200
+
+
+def test_requests_over_the_limit_are_answered_429(tiny):
+    target, drafter = tiny
+    config = ServeConfig("tiny", max_concurrent=1, max_tokens_limit=500)
+    app = create_app(SlowEngine(target, drafter), target.tokenizer, config)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 300, "stream": True,
+            "temperature": 0}
+    with LiveServer(app) as server:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
+            next(r.iter_lines())
+            second = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False), timeout=30)
+            assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
+
+
+@pytest.mark.real
+def test_serving_the_real_target_with_the_shipped_drafter(real_target):
+    from dspark.assets import shipped_drafter
+    from dspark.drafter import load_drafter
+    from dspark.scheduling.planner import build_scheduler
+
+    path = shipped_drafter("smollm2-135m-instruct")
+    engine = SpeculativeEngine(real_target, load_drafter(path, real_target), build_scheduler(real_target, path))
+    messages = [{"role": "user", "content": "What is 12 times 3?"}]
+    expected, _ = plain_text(real_target, messages, 12)
+    with LiveServer(create_app(engine, real_target.tokenizer, ServeConfig("smollm2-135m-instruct"))) as server:
+        answer = server.client().chat.completions.create(model="smollm2-135m-instruct", messages=messages,
+                                                         max_tokens=12, temperature=0)
+        assert answer.choices[0].message.content == expected
