@@ -55,14 +55,15 @@ def test_greedy_identical_under_threshold_and_short_policies():
 
 def oracle_policies(batch: int):
     """Each policy, the scheduler with a cost curve that makes a few drafts per request worth verifying."""
-    from dspark.scheduling.planner import PrefixScheduler
+    from dspark.scheduling.planner import PrefixScheduler, ProductionScheduler
     from dspark.scheduling.profile import CostTable
 
     curve = CostTable([batch, 2 * batch, 4 * batch, 8 * batch], [10.0, 11.0, 13.0, 20.0])
-    return {"fixed": FixedLength(), "threshold": ConfidenceThreshold(0.6), "scheduler": PrefixScheduler(curve)}
+    return {"fixed": FixedLength(), "threshold": ConfidenceThreshold(0.6), "scheduler": PrefixScheduler(curve),
+            "production": ProductionScheduler(curve)}
 
 
-@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler", "production"])
 @pytest.mark.parametrize("gamma", [1, 3, 7])
 def test_greedy_identical_with_a_noisy_oracle_in_ragged_batches(gamma, policy):
     """Most drafts are right, a random few wrong: acceptance of whole blocks, rejection at every position and the
@@ -165,7 +166,7 @@ def test_sampling_distribution_equals_target(params):
     assert chi_square_p(seqs, probs, counts, n) > 1e-3
 
 
-@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler"])
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler", "production"])
 def test_sampling_with_a_noisy_oracle_follows_the_target_in_a_ragged_batch(policy):
     """Two prompts of different lengths in one batch, drafts mostly right: each prompt's continuations follow the
     target's exact distribution under every verification policy, with many drafts accepted."""

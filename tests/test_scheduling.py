@@ -148,3 +148,20 @@ def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run
                          "16", "--cost-table", str(tmp_path / "costs.json"), "--calibration", str(tmp_path / "calib.json"),
                          "--json", "--compare-plain"))
     assert out["identical_to_plain"] is True
+
+
+def test_production_budget_is_a_global_argmax_used_two_steps_later():
+    from dspark.scheduling.planner import ProductionScheduler
+
+    # Jagged curve: the 2nd extra token costs much, the 3rd and 4th nothing more. Algorithm 1 stops at the bump;
+    # the global argmax looks past it.
+    jagged = CostTable([1, 2, 3, 4, 5], [10.0, 10.0, 16.0, 16.0, 16.0])
+    sure = torch.full((1, 4), 6.0)  # confidences ~0.998: every draft worth verifying if the cost allows
+    assert PrefixScheduler(jagged).lengths(sure, 4, 1).tolist() == [1]
+    production = ProductionScheduler(jagged)
+    assert production.budget(torch.sigmoid(sure).cumprod(1)) == 4
+    unsure = torch.full((1, 4), -6.0)
+    steps = [production.lengths(c, 4, 1).tolist() for c in (sure, unsure, unsure, unsure, unsure)]
+    # steps 1-2: no history yet (one draft each); step 3 spends step 1's budget (4); steps 4-5 those of the unsure
+    # steps 2-3 (1: on this curve a second token is free)
+    assert steps == [[1], [1], [4], [1], [1]]

@@ -4,7 +4,6 @@ streaming and whole answers, 32 concurrent clients, seeded sampling, disconnects
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,41 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from conftest import tiny_drafter
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.serve.app import ServeConfig, create_app
+from dspark.serve.local import LocalServer
 from dspark.target import Target
 
 
-class LiveServer:
-    """A real uvicorn server on a free loopback port, in a thread; stopped (gracefully) on exit."""
-
-    def __init__(self, app):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(timeout=60)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
+class LiveServer(LocalServer):
     def client(self, key="unused") -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
@@ -210,9 +184,62 @@ def test_serving_the_real_target_with_the_shipped_drafter(real_target):
 
     path = shipped_drafter("smollm2-135m-instruct")
     engine = SpeculativeEngine(real_target, load_drafter(path, real_target), build_scheduler(real_target, path))
-    messages = [{"role": "user", "content": "What is 12 times 3?"}]
-    expected, _ = plain_text(real_target, messages, 12)
+    from dspark.assets import eval_prompts
+
+    prompts = [[{"role": "user", "content": p}] for name in ("gsm8k", "mt-bench", "humaneval")
+               for p in eval_prompts(name, 11)][:32]
+    expected = [plain_text(real_target, p, 8)[0] for p in prompts]
     with LiveServer(create_app(engine, real_target.tokenizer, ServeConfig("smollm2-135m-instruct"))) as server:
-        answer = server.client().chat.completions.create(model="smollm2-135m-instruct", messages=messages,
-                                                         max_tokens=12, temperature=0)
-        assert answer.choices[0].message.content == expected
+        client = server.client()
+
+        def ask(messages):
+            return client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,
+                                                  temperature=0).choices[0].message.content
+
+        with ThreadPoolExecutor(32) as pool:
+            assert list(pool.map(ask, prompts)) == expected  # 32 at once, each what it gets alone
+
+
+def test_shutdown_lets_in_flight_requests_finish(tiny):
+    """Stopping the server (uvicorn's graceful exit) drains the engine loop: a request already running completes."""
+    target, drafter = tiny
+    app = create_app(SlowEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))
+    result = {}
+    server = LiveServer(app).__enter__()
+    client = server.client()
+
+    def ask():
+        result["answer"] = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": words(4)}], max_tokens=40, temperature=0)
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    deadline = time.monotonic() + 10
+    while server.metric("dspark_active_requests") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    server.__exit__(None, None, None)
+    worker.join(timeout=30)
+    assert result["answer"].choices[0].finish_reason in ("stop", "length") and result["answer"].usage.completion_tokens
+
+
+def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
+    """`bench-serve` mechanics on the tiny target: every policy at every level, the table, the plot."""
+    from dspark.bench import serve as bench_serve
+    from dspark.bench.report import serve_plot, serve_section
+    from dspark.bench.run import machine_info
+    from dspark.scheduling.profile import CostTable
+
+    target, drafter = tiny
+    monkeypatch.setattr("dspark.scheduling.planner.cached_cost_table", lambda _t: CostTable([1, 8], [10.0, 12.0]))
+    drafter.save(tmp_path / "drafter", target.identity())
+    rows = bench_serve.run_serve_bench(target, drafter, tmp_path / "drafter", [words(3), words(5, start=9)], [1, 2], 6,
+                                       2, progress=lambda _: None)
+    assert {r["policy"] for r in rows} == {"plain", "fixed 1", "fixed 3", "fixed 7", "threshold 0.5", "algorithm1",
+                                           "production"}
+    assert all(r["tokens"] > 0 and r["aggregate_tps"] > 0 and r["requests"] == 2 for r in rows)
+    run = {"rows": rows, "machine": machine_info(), "when": "now", "model": "tiny", "dtype": "float32",
+           "drafter": "tiny", "datasets": ["x"], "max_tokens": 6, "requests_per_level": 2}
+    text = serve_section(run, "dspark bench-serve", "serve.png")
+    assert "| algorithm1 | 2 |" in text and "best baseline" in text
+    assert serve_plot(rows, tmp_path / "serve.png").stat().st_size > 1000

@@ -128,7 +128,7 @@ def build_policy(args, target=None, drafter_path=None):
     if args.schedule or args.cost_table:
         from dspark.scheduling.planner import build_scheduler
 
-        return build_scheduler(target, drafter_path, args.cost_table, args.calibration)
+        return build_scheduler(target, drafter_path, args.cost_table, args.calibration, args.scheduler)
     if args.calibration:
         raise DSparkError("--calibration sets the scheduler's temperatures; add --schedule (or --cost-table)")
     if args.confidence_threshold is not None:
@@ -147,6 +147,9 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
                         "cached) and the drafter's shipped calibration; --cost-table / --calibration replace either")
     p.add_argument("--cost-table", help="cost table JSON (`dspark profile`) for the scheduler (implies --schedule)")
     p.add_argument("--calibration", help="STS temperatures JSON (`dspark calibrate`) for the scheduler")
+    p.add_argument("--scheduler", choices=["algorithm1", "production"], default="algorithm1",
+                   help="algorithm1: the paper's prefix search with early stop; production: a global budget from "
+                        "confidences two steps old, spent on the current best candidates (paper §5.2)")
 
 
 def check_policy_args(args) -> None:
@@ -392,6 +395,40 @@ def cmd_bench_engine(args) -> int:
     markdown = Path(args.markdown)
     write_section(markdown, "engine", engine_section(run, command, os.path.relpath(plot, markdown.parent)))
     print(f"dspark: wrote {out / 'engine.json'}, {plot} and section 'engine' of {markdown}", file=sys.stderr)
+    return 0
+
+
+def cmd_bench_serve(args) -> int:
+    import os
+    import shlex
+    import time
+
+    from dspark.assets import eval_prompts, shipped_drafter
+    from dspark.bench.report import serve_plot, serve_section, write_section
+    from dspark.bench.run import machine_info
+    from dspark.bench.serve import run_serve_bench
+    from dspark.drafter import load_drafter
+    from dspark.fsutil import atomic_write_json
+
+    drafter_path = args.drafter or shipped_drafter(args.model)
+    check_drafter_arg(drafter_path)
+    prompts = [p for name in args.datasets for p in eval_prompts(name, args.prompts_per_set)]
+    out = check_output_dir(args.out, "--out")
+    check_output_file(args.markdown, "--markdown")
+    target = load_target(args)
+    drafter = load_drafter(drafter_path, target)
+    rows = run_serve_bench(target, drafter, drafter_path, prompts, args.concurrency, args.max_tokens,
+                           args.requests_per_level, progress=lambda line: print(line, file=sys.stderr))
+    command = "dspark " + shlex.join(sys.argv[1:])
+    run = {"rows": rows, "command": command, "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+           "model": args.model, "dtype": args.dtype, "drafter": str(drafter_path), "datasets": args.datasets,
+           "max_tokens": args.max_tokens, "requests_per_level": args.requests_per_level}
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / "serve.json", run)
+    plot = serve_plot(rows, out / "serve-pareto.png")
+    markdown = Path(args.markdown)
+    write_section(markdown, "serve", serve_section(run, command, os.path.relpath(plot, markdown.parent)))
+    print(f"dspark: wrote {out / 'serve.json'}, {plot} and section 'serve' of {markdown}", file=sys.stderr)
     return 0
 
 
@@ -687,6 +724,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_engine)
+
+    p = sub.add_parser("bench-serve", help="the server under load: latency and throughput per verification policy")
+    add_target_args(p)
+    p.add_argument("--drafter", help="drafter for the speculative policies (default: the shipped one)")
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--requests-per-level", type=positive_int, default=8,
+                   help="requests per concurrency level at least (each client sends its share back to back)")
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--datasets", nargs="+", default=["mt-bench", "gsm8k", "humaneval"])
+    p.add_argument("--prompts-per-set", type=positive_int, default=8)
+    p.add_argument("--out", default="bench")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_bench_serve)
 
     p = sub.add_parser("bench-train", help="cost of a training step under each efficiency lever")
     p.add_argument("--data", required=True, help="regenerated JSONL")

@@ -322,3 +322,53 @@ def engine_plot(run: dict, path: Path) -> Path:
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path)
+
+
+def serve_section(run: dict, command: str, plot: str) -> str:
+    """The `serve` section: latency and throughput per policy and concurrency, the Pareto plot, the goals."""
+    m, rows = run["machine"], run["rows"]
+    out = ["## serve", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; target "
+           f"{run['model']} in {run['dtype']}, drafter {run['drafter']}. Each level: `concurrency` openai clients on "
+           f"loopback, each streaming greedy requests back to back (at least {run['requests_per_level']} per level, "
+           f"up to {run['max_tokens']} new tokens, prompts from {', '.join(run['datasets'])}).", "",
+           "| policy | concurrency | requests | TTFT p50 (s) | latency p50 (s) | latency p95 (s) | per-user tok/s | "
+           "aggregate tok/s |", "| --- " * 8 + "|"]
+    for r in rows:
+        out.append(f"| {r['policy']} | {r['concurrency']} | {r['requests']} | {r['ttft_p50']} | {r['latency_p50']} | "
+                   f"{r['latency_p95']} | {r['per_user_tps']} | {r['aggregate_tps']} |")
+    out += ["", "Throughput of each scheduler against the best of plain decoding and every fixed length, at each "
+            "concurrency (goal: at least 1.0 within noise):", "",
+            "| concurrency | best baseline | " + " | ".join(SCHEDULED) + " |", "| --- " * (2 + len(SCHEDULED)) + "|"]
+    for c in sorted({r["concurrency"] for r in rows}):
+        level = {r["policy"]: r for r in rows if r["concurrency"] == c}
+        base = max((r for p, r in level.items() if p == "plain" or p.startswith("fixed")), key=lambda r: r["aggregate_tps"])
+        cells = [f"{level[p]['aggregate_tps'] / base['aggregate_tps']:.2f}x" if p in level else "–" for p in SCHEDULED]
+        out.append(f"| {c} | {base['policy']} ({base['aggregate_tps']}) | " + " | ".join(cells) + " |")
+    out += ["", f"![per-user speed against throughput]({plot})", ""]
+    return "\n".join(out)
+
+
+SCHEDULED = ("algorithm1", "production")
+
+
+def serve_plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["concurrency"])
+        style = dict(linewidth=2.5) if policy in SCHEDULED else dict(linewidth=1, linestyle="--" if policy == "plain" else "-")
+        ax.plot([p["aggregate_tps"] for p in pts], [p["per_user_tps"] for p in pts], marker="o", label=policy, **style)
+        for p in pts:
+            ax.annotate(str(p["concurrency"]), (p["aggregate_tps"], p["per_user_tps"]), fontsize=6,
+                        textcoords="offset points", xytext=(2, 2))
+    ax.set(xlabel="aggregate tokens/s (throughput)", ylabel="per-user tokens/s",
+           title="Per-user speed against throughput (labels: concurrent streams)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)

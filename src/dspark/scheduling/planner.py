@@ -45,9 +45,56 @@ class PrefixScheduler:
         return "prefix scheduler" + (" (STS-calibrated)" if self.temperatures else "")
 
 
-def build_scheduler(target, drafter_path, cost_table: str | None = None, calibration: str | None = None) -> PrefixScheduler:
-    """The prefix scheduler with the given cost table (else this machine's, profiled once and cached) and the given
-    STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none)."""
+class ProductionScheduler:
+    """The paper's production variant (§5.2): a global verify budget K from confidences two steps old, spent on
+    the current step's candidates in order of their current survival.
+
+    K is where Θ = τ·SPS(B) peaks over all admissions in survival order (a global argmax, which copes with jagged
+    cost curves where Algorithm 1's early stop would end too soon), computed from each step's confidences and used
+    two steps later. The candidates taken now are the top K by current survival; whether (r, j) is among them
+    depends on a_{r,j} and on other requests, never on a_{r,j+1} (it ranks below a_{r,j}), so the token drafted at
+    j cannot decide whether j is verified: lossless, like Algorithm 1."""
+
+    def __init__(self, cost, temperatures: list[float] | None = None, delay: int = 2):
+        self.cost, self.temperatures, self.delay = cost, temperatures, delay
+        self.budgets: list[int] = []
+
+    def budget(self, survival: torch.Tensor) -> int:
+        """Draft tokens worth verifying for these survival values: the global argmax of Θ."""
+        batch = survival.shape[0]
+        values = survival.flatten().sort(descending=True).values.tolist()
+        tau, best, best_k = float(batch), batch * self.cost.sps(batch), 0
+        for k, a in enumerate(values, 1):
+            tau += a
+            theta = tau * self.cost.sps(batch + k)
+            if theta > best:
+                best, best_k = theta, k
+        return best_k
+
+    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
+        survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
+        self.budgets.append(self.budget(survival))
+        # Until two steps have been seen, verify one draft per request.
+        budget = self.budgets.pop(0) if len(self.budgets) > self.delay else batch
+        order = torch.sort(-survival.flatten(), stable=True).indices[: min(budget, survival.numel())].tolist()
+        ell = [0] * batch
+        for idx in sorted(order, key=lambda i: i % gamma):  # prefixes first: position j after position j-1
+            r, j = divmod(idx, gamma)
+            if j == ell[r]:
+                ell[r] = j + 1
+        return torch.tensor(ell, dtype=torch.long)
+
+    def describe(self) -> str:
+        return f"production scheduler (budget from {self.delay} steps back)"
+
+
+SCHEDULERS = {"algorithm1": PrefixScheduler, "production": ProductionScheduler}
+
+
+def build_scheduler(target, drafter_path, cost_table: str | None = None, calibration: str | None = None,
+                    kind: str = "algorithm1"):
+    """A confidence scheduler with the given cost table (else this machine's, profiled once and cached) and the
+    given STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none)."""
     cost = CostTable.load(cost_table) if cost_table else cached_cost_table(target)
     temps = read_temperatures(calibration) if calibration else drafter_temperatures(drafter_path)
-    return PrefixScheduler(cost, temps)
+    return SCHEDULERS[kind](cost, temps)
