@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 .PHONY: demo test test-fast install clean-venv
 
 demo: $(STAMP)
-	$(VENV)/bin/dspark demo
+	$(VENV)/bin/dspark demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
