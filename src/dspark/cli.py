@@ -153,6 +153,12 @@ def add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def check_policy_args(args) -> None:
+    """Verification flags make sense together and with a drafter; the drafter is a checkpoint (before any load)."""
+    if not args.drafter and (args.schedule or args.cost_table or args.calibration or args.verify_length is not None
+                             or args.confidence_threshold is not None):
+        raise DSparkError("verification flags (--schedule, --verify-length ...) apply to speculative decoding; "
+                          "add --drafter PATH")
+    check_drafter_arg(args.drafter)
     if args.cost_table and (args.verify_length is not None or args.confidence_threshold is not None):
         raise DSparkError("--cost-table schedules verification; it cannot be combined with --verify-length or "
                           "--confidence-threshold")
@@ -206,12 +212,7 @@ def cmd_generate(args) -> int:
         raise DSparkError("the prompt is empty; give the model something to answer")
     if args.compare_plain and not args.drafter:
         raise DSparkError("--compare-plain compares speculative decoding with plain decoding; add --drafter PATH")
-    if not args.drafter and (args.schedule or args.cost_table or args.calibration or args.verify_length is not None
-                             or args.confidence_threshold is not None):
-        raise DSparkError("verification flags (--schedule, --verify-length ...) apply to speculative decoding; "
-                          "add --drafter PATH")
     check_policy_args(args)
-    check_drafter_arg(args.drafter)
     target = load_target(args)
     prompt = target.encode_chat(args.prompt)
     sampling = sampling_from(args)
@@ -305,12 +306,24 @@ def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:
     return pairs
 
 
+def check_bench_args(args, drafters) -> Path:
+    """A benchmark's drafters, evaluation sets and output paths, refused before any model loads. Returns --out."""
+    from dspark.assets import eval_path
+
+    for path in drafters:
+        check_drafter_arg(path)
+    for name in args.datasets:
+        eval_path(name)
+    check_output_file(args.markdown, "--markdown")
+    return check_output_dir(args.out, "--out")
+
+
 def cmd_bench(args) -> int:
     import os
     import re
     import shlex
 
-    from dspark.assets import eval_path, shipped_drafter
+    from dspark.assets import shipped_drafter
     from dspark.bench.report import markdown_section, plots, write_section
     from dspark.bench.run import BenchConfig, run_bench
     from dspark.fsutil import atomic_write_json
@@ -320,12 +333,7 @@ def cmd_bench(args) -> int:
                           "result files inside --out and a section of the markdown file")
     drafters = parse_labelled(args.drafter or [f"dspark={shipped_drafter(args.model)}"], "--drafter",
                               "dspark=runs/drafter/checkpoint")
-    for path in drafters.values():
-        check_drafter_arg(path)
-    for name in args.datasets:
-        eval_path(name)
-    out = check_output_dir(args.out, "--out")
-    check_output_file(args.markdown, "--markdown")
+    out = check_bench_args(args, drafters.values())
     setup_torch(args)
     cfg = BenchConfig(model=args.model, datasets=args.datasets, prompts_per_set=args.prompts_per_set,
                       max_new_tokens=args.max_new_tokens, temperatures=args.temperatures, dtypes=args.dtypes,
@@ -367,68 +375,57 @@ def cmd_bench_train(args) -> int:
 
 
 def cmd_bench_engine(args) -> int:
-    import os
-    import shlex
-    import time
-
-    from dspark.assets import eval_path, shipped_drafter
+    from dspark.assets import shipped_drafter
     from dspark.bench.engine import run_engine_bench
-    from dspark.bench.report import engine_plot, engine_section, write_section
-    from dspark.bench.run import machine_info
-    from dspark.fsutil import atomic_write_json
+    from dspark.bench.report import engine_plot, engine_section
 
     drafter = args.drafter or shipped_drafter(args.model)
-    check_drafter_arg(drafter)
-    for name in args.datasets:
-        eval_path(name)
-    out = check_output_dir(args.out, "--out")
-    check_output_file(args.markdown, "--markdown")
+    out = check_bench_args(args, [drafter])
     setup_torch(args)
     run = run_engine_bench(args.model, args.dtypes, drafter, args.datasets, args.max_new_tokens,
                            progress=lambda line: print(line, file=sys.stderr))
-    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
-    command = env + "dspark " + shlex.join(sys.argv[1:])
-    run.update(command=command, machine=machine_info(), when=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "engine.json", run)
-    plot = engine_plot(run, out / "engine-forward.png")
-    markdown = Path(args.markdown)
-    write_section(markdown, "engine", engine_section(run, command, os.path.relpath(plot, markdown.parent)))
-    print(f"dspark: wrote {out / 'engine.json'}, {plot} and section 'engine' of {markdown}", file=sys.stderr)
+    publish(run, out, "engine", lambda: engine_plot(run, out / "engine-forward.png"), engine_section, args.markdown)
     return 0
 
 
-def cmd_bench_serve(args) -> int:
+def publish(run: dict, out: Path, name: str, plot, section, markdown: str) -> None:
+    """Stamp a benchmark run (command, machine, time), then write NAME.json in `out`, its plot and section NAME of
+    the markdown file."""
     import os
     import shlex
     import time
 
-    from dspark.assets import eval_prompts, shipped_drafter
-    from dspark.bench.report import serve_plot, serve_section, write_section
+    from dspark.bench.report import write_section
     from dspark.bench.run import machine_info
-    from dspark.bench.serve import run_serve_bench
-    from dspark.drafter import load_drafter
     from dspark.fsutil import atomic_write_json
 
+    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    run.update(command=env + "dspark " + shlex.join(sys.argv[1:]), machine=machine_info(),
+               when=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"{name}.json", run)
+    png = plot()
+    path = Path(markdown)
+    write_section(path, name, section(run, run["command"], os.path.relpath(png, path.parent)))
+    print(f"dspark: wrote {out / (name + '.json')}, {png} and section '{name}' of {path}", file=sys.stderr)
+
+
+def cmd_bench_serve(args) -> int:
+    from dspark.assets import eval_prompts, shipped_drafter
+    from dspark.bench.report import serve_plot, serve_section
+    from dspark.bench.serve import run_serve_bench
+    from dspark.drafter import load_drafter
+
     drafter_path = args.drafter or shipped_drafter(args.model)
-    check_drafter_arg(drafter_path)
+    out = check_bench_args(args, [drafter_path])
     prompts = [p for name in args.datasets for p in eval_prompts(name, args.prompts_per_set)]
-    out = check_output_dir(args.out, "--out")
-    check_output_file(args.markdown, "--markdown")
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
     rows = run_serve_bench(target, drafter, drafter_path, prompts, args.concurrency, args.max_tokens,
                            args.requests_per_level, progress=lambda line: print(line, file=sys.stderr))
-    command = "dspark " + shlex.join(sys.argv[1:])
-    run = {"rows": rows, "command": command, "machine": machine_info(), "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-           "model": args.model, "dtype": args.dtype, "drafter": str(drafter_path), "datasets": args.datasets,
-           "max_tokens": args.max_tokens, "requests_per_level": args.requests_per_level}
-    out.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out / "serve.json", run)
-    plot = serve_plot(rows, out / "serve-pareto.png")
-    markdown = Path(args.markdown)
-    write_section(markdown, "serve", serve_section(run, command, os.path.relpath(plot, markdown.parent)))
-    print(f"dspark: wrote {out / 'serve.json'}, {plot} and section 'serve' of {markdown}", file=sys.stderr)
+    run = {"rows": rows, "model": args.model, "dtype": args.dtype, "drafter": str(drafter_path),
+           "datasets": args.datasets, "max_tokens": args.max_tokens, "requests_per_level": args.requests_per_level}
+    publish(run, out, "serve", lambda: serve_plot(rows, out / "serve-pareto.png"), serve_section, args.markdown)
     return 0
 
 
@@ -609,12 +606,7 @@ def cmd_serve(args) -> int:
     from dspark.drafter import load_drafter
     from dspark.serve.app import ServeConfig, create_app
 
-    if not args.drafter and (args.schedule or args.cost_table or args.calibration or args.verify_length is not None
-                             or args.confidence_threshold is not None):
-        raise DSparkError("verification flags (--schedule, --verify-length ...) apply to speculative decoding; "
-                          "add --drafter PATH")
     check_policy_args(args)
-    check_drafter_arg(args.drafter)
     config = ServeConfig(model_name=args.served_model_name or args.model,
                          api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None, max_batch=args.max_batch,
                          max_concurrent=args.max_concurrent, max_tokens_limit=args.max_tokens_limit,
