@@ -68,22 +68,19 @@ class PeakRSS:
 
 
 def machine_info() -> dict:
+    from dspark.scheduling.precision import cpu_flags
+
     cpu = platform.processor()
-    flags = []
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not cpu:
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = line.split(":", 1)[1].split()
-                break
-    except OSError:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().split("\n")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
         pass
+    flags = cpu_flags()
     import transformers
 
     import dspark
+
 
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
     return {
