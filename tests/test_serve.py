@@ -243,3 +243,45 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     text = serve_section(run, "dspark bench-serve", "serve.png")
     assert "| algorithm1 | 2 |" in text and "best baseline" in text
     assert serve_plot(rows, tmp_path / "serve.png").stat().st_size > 1000
+
+
+def test_stop_strings_cut_the_text_and_streamed_usage_is_exact(tiny):
+    target, drafter = tiny
+    app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))
+    messages = [{"role": "user", "content": words(6)}]
+    full, count = plain_text(target, messages, 24)
+    stop = full.split()[3]  # a word the answer contains: the text must end right before its first occurrence
+    with LiveServer(app) as server:
+        client = server.client()
+        cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stop=[stop])
+        assert cut.choices[0].message.content == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+        chunks = list(client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0,
+                                                stream=True))
+        whole = client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0)
+        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+        assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == len(target.tokenizer.encode(words(6)))
+
+
+class PoisonEngine(SpeculativeEngine):
+    """Fails the prefill of any request whose prompt holds token 49 (t49), as a bug triggered by one input would."""
+
+    def admit(self, batch, requests, *args, **kwargs):
+        if any(49 in r.prompt for r in requests):
+            raise RuntimeError("poisoned prompt")
+        return super().admit(batch, requests, *args, **kwargs)
+
+
+def test_a_failing_request_takes_nothing_else_down(tiny):
+    target, drafter = tiny
+    app = create_app(PoisonEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))
+    messages = [{"role": "user", "content": words(6)}]
+    expected, _ = plain_text(target, messages, 12)
+    with LiveServer(app) as server:
+        client = server.client()
+        bad = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "t49 t50"}], "max_tokens": 4})
+        assert bad.status_code == 500 and "poisoned prompt" in bad.json()["error"]["message"]
+        good = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        assert good.choices[0].message.content == expected
+        assert server.metric('dspark_requests_total{reason="error"}') == 1

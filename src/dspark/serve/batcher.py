@@ -2,8 +2,9 @@
 
 The loop runs in its own thread, since a round is seconds of torch work that must not block the HTTP event loop.
 HTTP handlers `submit` requests and read their tokens from an asyncio queue that the loop fills; `cancel` (a client
-that went away, a stop string reached) takes a row out at the next round. A round that raises fails only the
-requests it was serving; the loop starts a fresh batch and keeps serving.
+that went away, a stop string reached) takes a row out at the next round. A prefill that raises fails only the
+requests it was admitting; a round that raises fails the rows it held (their caches are in an unknown state), and
+the loop starts a fresh batch and keeps serving.
 """
 
 from __future__ import annotations
@@ -94,22 +95,26 @@ class EngineLoop:
             for index in cancelled:
                 self.engine.cancel(batch, index)
             self.metrics.active.set(len(self.active))
-            try:
-                if new:
+            if new:
+                try:  # a prefill that fails fails its own requests; the batch was not touched yet
                     self.engine.admit(batch, [s.request for s in new], [s.sampling for s in new],
                                       [s.sampling.generators(1)[0] for s in new], self._emit)
                     self.metrics.prompt_tokens.inc(sum(len(s.request.prompt) for s in new))
-                if batch.rows:
-                    verified = len(batch.rows)
+                except Exception as e:  # noqa: BLE001 - one bad request must not end the server
+                    for sub in new:
+                        self._finish(self.active.pop(sub.request.index), "error", f"{type(e).__name__}: {e}")
+            if batch.rows:
+                try:
+                    rows = len(batch.rows)
                     for row in self.engine.step(batch, self._emit):
                         self.metrics.record_stats(row.stats)
                         self._finish(self.active.pop(row.request.index), row.request.finish_reason)
-                    self.metrics.batch_rows.observe(verified)
-            except Exception as e:  # noqa: BLE001 - one failed round must not end the server
-                for sub in list(self.active.values()):
-                    self._finish(sub, "error", f"{type(e).__name__}: {e}")
-                self.active.clear()
-                batch = self.engine.new_batch()
+                    self.metrics.batch_rows.observe(rows)
+                except Exception as e:  # noqa: BLE001 - a failed round fails the rows it held, then serving goes on
+                    for sub in list(self.active.values()):
+                        self._finish(sub, "error", f"{type(e).__name__}: {e}")
+                    self.active.clear()
+                    batch = self.engine.new_batch()
             self.metrics.active.set(len(self.active))
         for sub in list(self.active.values()) + list(self.pending):
             self._finish(sub, "cancelled")
