@@ -330,3 +330,22 @@ def test_without_a_drafter_the_loop_is_plain_decoding():
     for r in results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
     assert chi_square_p(seqs, probs, counts, 4000) > 1e-3
+
+
+def test_ngram_proposer_is_lossless_and_learns_the_targets_habits():
+    from dspark.drafter.ngram import NgramProposer
+
+    target = tiny_target(eos=7)
+    prompts = prompts_for(target, [6, 1, 13, 4, 9])
+    expected = [r.token_ids for r in generate_plain(target, prompts, 40)]
+    seen = NgramProposer([p + e for p, e in zip(prompts, expected)], target.vocab_size, block_size=4)
+    results = SpeculativeEngine(target, seen).generate(prompts, 40)
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.tokens - r.stats.rounds for r in results) > 0.5 * sum(len(e) for e in expected)
+    peaked = peaked_target()
+    params = SAMPLING_CASES[0]
+    habits = [[1, 2, 3] + r.token_ids for r in generate_plain(peaked, [[1, 2, 3]] * 4, 6)]
+    seqs, probs = exact_distribution(peaked, [1, 2, 3], 4, params)
+    counts, sampled = sampled_counts(peaked, NgramProposer(habits, peaked.vocab_size, 3), [1, 2, 3], 4, params, 6000)
+    assert sum(r.stats.tokens - r.stats.rounds for r in sampled) > 0.2 * 6000
+    assert chi_square_p(seqs, probs, counts, 6000) > 1e-3

@@ -198,10 +198,13 @@ def cmd_models(args) -> int:
 
 
 def check_drafter_arg(path) -> None:
-    """A --drafter that is not a checkpoint is refused before the target loads (seconds saved per typo)."""
-    from dspark.drafter import read_checkpoint_meta
+    """A --drafter that is not a checkpoint (or ngram:DATA file) is refused before the target loads."""
+    from dspark.drafter import NGRAM_PREFIX, read_checkpoint_meta
 
-    if path:
+    if path and str(path).startswith(NGRAM_PREFIX):
+        if not Path(str(path)[len(NGRAM_PREFIX):]).is_file():
+            raise DSparkError(f"--drafter {path}: no data file there (ngram:DATA wants regenerated JSONL)")
+    elif path:
         read_checkpoint_meta(path)
 
 
@@ -221,9 +224,9 @@ def cmd_generate(args) -> int:
     engine = None
     if args.drafter:
         from dspark.decoding.engine import SpeculativeEngine
-        from dspark.drafter import load_drafter
+        from dspark.drafter import load_proposer
 
-        engine = SpeculativeEngine(target, load_drafter(args.drafter, target), build_policy(args, target, args.drafter))
+        engine = SpeculativeEngine(target, load_proposer(args.drafter, target), build_policy(args, target, args.drafter))
         result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
     else:
         result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
@@ -603,7 +606,7 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from dspark.decoding.engine import SpeculativeEngine
-    from dspark.drafter import load_drafter
+    from dspark.drafter import load_proposer
     from dspark.serve.app import ServeConfig, create_app
 
     check_policy_args(args)
@@ -612,7 +615,7 @@ def cmd_serve(args) -> int:
                          max_concurrent=args.max_concurrent, max_tokens_limit=args.max_tokens_limit,
                          max_body_bytes=args.max_body_bytes)
     target = load_target(args)
-    drafter = load_drafter(args.drafter, target) if args.drafter else None
+    drafter = load_proposer(args.drafter, target) if args.drafter else None
     engine = SpeculativeEngine(target, drafter, build_policy(args, target, args.drafter) if drafter else None)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"dspark: serving on {args.host}, reachable from other machines"
@@ -657,7 +660,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_target_args(p)
     add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    p.add_argument("--drafter", help="drafter checkpoint folder: decode speculatively")
+    p.add_argument("--drafter", help="drafter checkpoint folder (or ngram:DATA, the n-gram floor): decode speculatively")
     add_policy_args(p)
     p.add_argument("--compare-plain", action="store_true", help="also run plain decoding; report speed-up and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

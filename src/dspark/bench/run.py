@@ -98,6 +98,10 @@ def weights_mb(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
 
 
 def drafter_info(path: str, drafter) -> dict:
+    if not hasattr(drafter, "config"):  # the n-gram proposer: tables, no weights
+        return {"weights_mb": 0.0, "draft_head_copy_mb": 0.0, "path": str(path), "architecture": "ngram",
+                "block_size": drafter.block_size, "num_draft_layers": 0, "markov_rank": 0, "params_millions": 0.0,
+                "train_tokens": None, "train_seconds": None, "train_steps": None, "preset": None}
     meta = json.loads((Path(path) / "config.json").read_text())
     progress = meta.get("progress", {})
     own = weights_mb(drafter, skip=("embed_weight", "lm_head_weight"))
@@ -137,7 +141,7 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
-    from dspark.drafter import load_drafter
+    from dspark.drafter import load_proposer
     from dspark.target import Target
 
     results, drafters_meta, target_mb = [], {}, {}
@@ -146,7 +150,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         target_mb[dtype] = weights_mb(target.model)
         drafters = {}
         for label, path in cfg.drafters.items():
-            drafters[label] = load_drafter(path, target)
+            drafters[label] = load_proposer(path, target)
             drafters_meta[label] = drafter_info(path, drafters[label])
         engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
         if cfg.scheduled:

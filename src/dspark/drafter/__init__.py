@@ -2,6 +2,7 @@
 
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.model import DraftCache, DSparkDrafter
-from dspark.drafter.registry import load_drafter, new_drafter, read_checkpoint_meta
+from dspark.drafter.registry import NGRAM_PREFIX, load_drafter, load_proposer, new_drafter, read_checkpoint_meta
 
-__all__ = ["DSparkConfig", "DSparkDrafter", "DraftCache", "load_drafter", "new_drafter", "read_checkpoint_meta"]
+__all__ = ["DSparkConfig", "DSparkDrafter", "DraftCache", "NGRAM_PREFIX", "load_drafter", "load_proposer", "new_drafter",
+           "read_checkpoint_meta"]

@@ -92,3 +92,15 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
                           "from different checkpoints")
     drafter.load_state_dict(state)
     return drafter.to(target.dtype)
+
+
+NGRAM_PREFIX = "ngram:"  # --drafter ngram:DATA builds the n-gram proposer from regenerated data
+
+
+def load_proposer(spec: str | Path, target):
+    """A drafter checkpoint folder, or `ngram:DATA` for the n-gram proposer built from a regenerated data file."""
+    if str(spec).startswith(NGRAM_PREFIX):
+        from dspark.drafter.ngram import NgramProposer
+
+        return NgramProposer.from_data(str(spec)[len(NGRAM_PREFIX):], target)
+    return load_drafter(spec, target)
