@@ -148,6 +148,9 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
             (post(dict(good, temperature=float("inf")), raw=json.dumps(dict(good, temperature=1e999))), 400, None),
             (post(dict(good, messages=[{"role": "user", "content": words(1100)}])), 413, "request_too_large"),
         ]
+        chunked = httpx.post(server.url + "/v1/chat/completions", headers=auth,
+                             content=iter([json.dumps(good).encode()]), timeout=30)  # no Content-Length
+        cases.append((chunked, 411, "length_required"))
         for response, status, code in cases:
             assert response.status_code == status, (status, response.text)
             assert "message" in response.json()["error"] and (code is None or response.json()["error"]["code"] == code)

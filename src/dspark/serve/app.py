@@ -2,8 +2,8 @@
 
 /v1/chat/completions and /v1/completions (streamed as server-sent events, `data: [DONE]` last, or whole),
 /v1/models, /health, /metrics. Errors are OpenAI-style JSON ({"error": {"message", "type", "param", "code"}}) with
-the status a client expects: 400 bad request, 401 wrong or missing API key, 404 unknown model, 413 body too large,
-429 too many requests in flight, 503 shutting down. Nothing here knows how decoding works: it validates, encodes,
+the status a client expects: 400 bad request, 401 wrong or missing API key, 404 unknown model, 411 a body without
+Content-Length, 413 body too large, 429 too many requests in flight, 503 shutting down. Nothing here knows how decoding works: it validates, encodes,
 submits to the loop and turns tokens into text.
 """
 
@@ -116,6 +116,9 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
                 return ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
                                 "authentication_error", "invalid_api_key").response()
             size = request.headers.get("content-length")
+            if request.method == "POST" and size is None:  # a body of unknown length could be any size
+                return ApiError(411, "send the request body with a Content-Length header",
+                                code="length_required").response()
             if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
                 return ApiError(413, f"request body of {size} bytes is over the limit of {config.max_body_bytes}",
                                 code="request_too_large").response()
