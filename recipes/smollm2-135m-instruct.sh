@@ -43,6 +43,6 @@ dspark train "${TRAIN[@]}"
 
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
-dspark export "$RUN/drafter/checkpoint" "$OUT" --dtype bfloat16
-dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 \
+dspark export "$RUN/drafter/checkpoint" "$OUT" --dtype bfloat16 --overwrite
+dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 --dtype float32 \
   --out "$OUT/calibration.json" --plot "$OUT/calibration.png"
