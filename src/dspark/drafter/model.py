@@ -253,17 +253,18 @@ class DSparkDrafter(nn.Module):
 
         prev = anchor_ids
         state = self.markov_head.initial_state(h[:, 0]) if self.markov_head is not None else None
-        tokens, probs, conf = [], [], []
+        tokens, probs = [], []
         for k in range(gamma):
             logits = base[:, k]
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(prev, h[:, k], state)
                 logits = logits + bias.float()
-            if self.confidence_head is not None:
-                conf.append(self.confidence_logits(h[:, k], prev))
             prev = self.draw(logits, sampling, generators, probs)
             tokens.append(prev)
-        return Proposal(torch.stack(tokens, dim=1), self.full_vocab_probs(probs), torch.stack(conf, dim=1) if conf else None)
+        drafts = torch.stack(tokens, dim=1)
+        # c_k reads the token drafted at k-1 (the anchor for k = 1): all positions in one call once the block is drafted
+        conf = self.confidence_logits(h, torch.cat([anchor_ids[:, None], drafts[:, :-1]], dim=1))
+        return Proposal(drafts, self.full_vocab_probs(probs), conf)
 
     def draw(self, logits: torch.Tensor, sampling: Sampling, generators, probs: list) -> torch.Tensor:
         """One draft token per row (target ids): argmax, or a sample whose distribution is appended to `probs`."""
