@@ -283,10 +283,13 @@ def cmd_demo(args) -> int:
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
           f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)
+    why = "" if args.dtype == "float32" else (f" ({args.dtype}: a near-tie argmax flipped between forwards of one and "
+                                              "of many tokens)")
     for r in rows:
+        same = "IDENTICAL" if r.identical else f"DIFFER from token {r.same_prefix + 1} on{why}"
         print(f"=== {r.dataset}: {textwrap.shorten(r.prompt, 100)}")
         print(f"--- DSpark (τ={r.tau:.2f}, {r.spec_tokens_per_s:.1f} tok/s) vs plain ({r.plain_tokens_per_s:.1f} tok/s): "
-              f"speed-up {r.speedup:.2f}x, outputs {'IDENTICAL' if r.identical else 'DIFFER'}")
+              f"speed-up {r.speedup:.2f}x, outputs {same}")
         print(r.spec_text.strip())
         if not r.identical:
             print("--- plain decoding gave:")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dspark.assets import eval_prompts
+from dspark.bench.run import common_prefix
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 
@@ -16,6 +17,7 @@ class DemoRow:
     plain_text: str
     spec_text: str
     identical: bool
+    same_prefix: int  # tokens both outputs share before they first differ
     plain_tokens_per_s: float
     spec_tokens_per_s: float
     tau: float
@@ -39,5 +41,6 @@ def run_demo(target, drafter, datasets=("humaneval", "gsm8k", "mt-bench"), per_s
             spec = engine.generate([ids], max_new_tokens)[0]
             decode = lambda r: target.tokenizer.decode(r.token_ids, skip_special_tokens=True)  # noqa: E731
             rows.append(DemoRow(name, prompt, decode(plain), decode(spec), plain.token_ids == spec.token_ids,
-                                plain.tokens_per_s, spec.tokens_per_s, spec.stats.tau))
+                                common_prefix(plain.token_ids, spec.token_ids), plain.tokens_per_s,
+                                spec.tokens_per_s, spec.stats.tau))
     return rows

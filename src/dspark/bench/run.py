@@ -130,14 +130,19 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingP
     return out[0, len(ids):].tolist(), time.perf_counter() - start
 
 
-def _agreement(a: list[int], b: list[int]) -> float:
-    """Share of the reference's tokens reproduced before the first divergence."""
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two outputs share before they first differ."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
             break
         n += 1
-    return n / max(1, len(b))
+    return n
+
+
+def _agreement(a: list[int], b: list[int]) -> float:
+    """Share of the reference's tokens reproduced before the first divergence."""
+    return common_prefix(a, b) / max(1, len(b))
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
