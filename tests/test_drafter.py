@@ -214,3 +214,33 @@ def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
     torch.testing.assert_close(torch.softmax(out.logits[0, 0], -1), proposal.probs[0], rtol=1e-4, atol=1e-5)
     drafter.save(tmp_path / "e", target.identity())
     assert type(load_drafter(tmp_path / "e", target)).__name__ == "EagleDrafter"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_qwen3_style_backbone_drafts_for_any_family(family, tmp_path):
+    """backbone=qwen3: Qwen3 layers (q/k norms) sized from the target, initialised from its layers, saved and
+    reloaded, decoding losslessly."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import TinyTokenizer
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.target import Target
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
+                                  max_position_embeddings=512)
+    target = Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
+                    layer_ids=[0, 2])
+    drafter = new_drafter(target, DSparkConfig(num_draft_layers=1, markov_rank=8, block_size=4, backbone="qwen3",
+                                               mask_token_id=96))
+    assert type(drafter.layers[0]).__name__ == "Qwen3DecoderLayer" and hasattr(drafter.layers[0].self_attn, "q_norm")
+    assert drafter.init_from_target_layers(target.model) == [3]
+    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, target.model.model.layers[3].mlp.down_proj.weight)
+    drafter.save(tmp_path / "d", target.identity())
+    loaded = load_drafter(tmp_path / "d", target)
+    assert loaded.config.backbone == "qwen3"
+    prompts = [[3, 9, 14], [5, 6]]
+    expected = [r.token_ids for r in generate_plain(target, prompts, 16)]
+    assert [r.token_ids for r in SpeculativeEngine(target, loaded).generate(prompts, 16)] == expected

@@ -1,9 +1,10 @@
-"""The parallel backbone: fused target features injected as extra keys/values into decoder layers of the target's
-own family (docs/design.md §2.1, §2.3).
+"""The parallel backbone: fused target features injected as extra keys/values into decoder layers
+(docs/design.md §2.1, §2.3).
 
-The layers are the family's own HF decoder-layer modules, so weights carry the target's names
-(`layers.N.self_attn.q_proj` ...) and can be initialised from the target's layers; only their forward is ours:
-queries come from the block, keys and values from cat(context, block).
+The layers are HF decoder-layer modules, so weights carry the usual names (`layers.N.self_attn.q_proj` ...) and can
+be initialised from the target's layers; only their forward is ours: queries come from the block, keys and values
+from cat(context, block). `backbone="family"` uses the target's own family; `backbone="qwen3"` uses Qwen3-style
+layers (RMSNorm on q and k) sized from the target, whatever its family: the portable layout other runtimes load.
 """
 
 from __future__ import annotations
@@ -16,6 +17,31 @@ from torch import nn
 
 from dspark.decoder import rotate
 from dspark.errors import DSparkError
+
+
+BACKBONES = ("family", "qwen3")
+
+
+def backbone_layout(target_config, backbone: str):
+    """(layer config, (DecoderLayer, RMSNorm, RotaryEmbedding)) of a drafter backbone for this target."""
+    if backbone == "family":
+        return target_config, family_classes(target_config)
+    from transformers import Qwen3Config
+    from transformers.models.qwen3 import modeling_qwen3 as q3
+
+    heads = target_config.num_attention_heads
+    config = Qwen3Config(
+        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size, num_hidden_layers=target_config.num_hidden_layers,
+        num_attention_heads=heads, num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+        head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
+        hidden_act=target_config.hidden_act, max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=getattr(target_config, "rms_norm_eps", 1e-6),
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        attention_bias=bool(getattr(target_config, "attention_bias", False)) or target_config.model_type == "qwen2",
+        initializer_range=getattr(target_config, "initializer_range", 0.02),
+    )
+    return config, (q3.Qwen3DecoderLayer, q3.Qwen3RMSNorm, q3.Qwen3RotaryEmbedding)
 
 
 def family_classes(target_config):

@@ -24,6 +24,7 @@ class DSparkConfig:
     num_anchors: int = 512  # blocks sampled per training sequence
     draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else a frequent subset (d2t map)
     feature_norm: bool = False  # RMS-normalise each captured layer before fc (tames massive activations)
+    backbone: str = "family"  # family: the target's own decoder layers | qwen3: Qwen3-style layers for any target
 
     def validate(self, num_target_layers: int, vocab_size: int) -> None:
         def bad(name, why):
@@ -61,6 +62,8 @@ class DSparkConfig:
                 bad("num_draft_layers", "the eagle3 baseline has exactly one decoder layer")
             if self.markov_rank or self.enable_confidence_head:
                 bad("markov_rank", "the eagle3 baseline has no sequential or confidence head (rank 0, no confidence)")
+        if self.backbone not in ("family", "qwen3"):
+            bad("backbone", f"unknown backbone '{self.backbone}'; use family or qwen3")
         if not 0 <= self.draft_vocab_size <= vocab_size:
             bad("draft_vocab_size", f"must be in [0, {vocab_size}] (0 = full vocabulary), got {self.draft_vocab_size}")
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.drafter.backbone import check_layer_layout, context_kv, family_classes, layer_forward
+from dspark.drafter.backbone import backbone_layout, check_layer_layout, context_kv, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
 from dspark.errors import DSparkError
@@ -27,7 +27,8 @@ from dspark.sampling import Sampling, all_greedy, rows_to_probs, sample_rows
 CHECKPOINT_FORMAT = "dspark-drafter"
 FORMAT_VERSION = 2  # 2: model.safetensors metadata repeats WEIGHT_SHAPING_FIELDS
 WEIGHT_SHAPING_FIELDS = ("architecture", "block_size", "num_draft_layers", "target_layer_ids", "markov_rank",
-                         "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size")
+                         "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size",
+                         "backbone")
 
 
 @dataclass
@@ -61,14 +62,14 @@ class DSparkDrafter(nn.Module):
         config.validate(target_config.num_hidden_layers, vocab_size)
         self.config = config
         self.target_config = target_config
-        layer_cls, norm_cls, rotary_cls = family_classes(target_config)
+        layer_config, (layer_cls, norm_cls, rotary_cls) = backbone_layout(target_config, config.backbone)
         eps = getattr(target_config, "rms_norm_eps", 1e-6)
         self.fc = nn.Linear(len(config.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = norm_cls(hidden, eps=eps)
-        self.layers = nn.ModuleList(layer_cls(target_config, i) for i in range(config.num_draft_layers))
-        check_layer_layout(self.layers[0], target_config.model_type)
+        self.layers = nn.ModuleList(layer_cls(layer_config, i) for i in range(config.num_draft_layers))
+        check_layer_layout(self.layers[0], layer_config.model_type)
         self.norm = norm_cls(hidden, eps=eps)
-        self.rotary_emb = rotary_cls(config=target_config)
+        self.rotary_emb = rotary_cls(config=layer_config)
         draft_vocab = config.draft_vocab_size or vocab_size
         rank = config.markov_rank
         self.markov_head = (
@@ -103,7 +104,12 @@ class DSparkDrafter(nn.Module):
         source = target_model.get_decoder().layers
         first = len(source) - len(self.layers)
         for layer, src in zip(self.layers, source[first:]):
-            layer.load_state_dict(src.state_dict())
+            # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
+            # its output-projection bias at zero; nothing else may be left out.
+            missing, unexpected = layer.load_state_dict(src.state_dict(), strict=False)
+            if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias")) for k in missing):
+                raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
+                                  f"{unexpected}); train with --no-init-target-layers")
         self.norm.load_state_dict(target_model.get_decoder().norm.state_dict())
         return list(range(first, len(source)))
 

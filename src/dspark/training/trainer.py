@@ -71,6 +71,8 @@ class TrainConfig:
     confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
     draft_vocab_size: int = opt(0, "score only the N most frequent answer tokens (0 = the whole vocabulary)")
     feature_norm: bool = opt(False, "RMS-normalise each captured target layer before fc")
+    backbone: str = opt("family", "draft layers: the target's own family, or qwen3 (RMSNorm on q and k; portable)",
+                        choices=("family", "qwen3"))
     target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
     mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
     init_target_layers: bool = opt(True, "start the backbone from the target's top decoder layers")
@@ -134,7 +136,7 @@ class TrainConfig:
             markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
             enable_confidence_head=self.enable_confidence_head, confidence_head_with_markov=self.confidence_head_with_markov,
             num_anchors=self.num_anchors, draft_vocab_size=self.draft_vocab_size, feature_norm=self.feature_norm,
-            mask_token_id=self.mask_token_id,
+            mask_token_id=self.mask_token_id, backbone=self.backbone,
         )
 
     @classmethod
