@@ -314,8 +314,14 @@ def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 def check_bench_args(args, drafters) -> Path:
     """A benchmark's drafters, evaluation sets and output paths, refused before any model loads. Returns --out."""
+    import re
+
     from dspark.assets import eval_path
 
+    name = getattr(args, "name", "x")
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+        raise DSparkError(f"--name {name!r} must be a plain name (letters, digits, '.', '_', '-'): it names the "
+                          "result files inside --out and a section of the markdown file")
     for path in drafters:
         check_drafter_arg(path)
     for name in args.datasets:
@@ -326,7 +332,6 @@ def check_bench_args(args, drafters) -> Path:
 
 def cmd_bench(args) -> int:
     import os
-    import re
     import shlex
 
     from dspark.assets import shipped_drafter
@@ -334,9 +339,6 @@ def cmd_bench(args) -> int:
     from dspark.bench.run import BenchConfig, run_bench
     from dspark.fsutil import atomic_write_json
 
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", args.name):
-        raise DSparkError(f"--name {args.name!r} must be a plain name (letters, digits, '.', '_', '-'): it names the "
-                          "result files inside --out and a section of the markdown file")
     drafters = parse_labelled(args.drafter or [f"dspark={shipped_drafter(args.model)}"], "--drafter",
                               "dspark=runs/drafter/checkpoint")
     out = check_bench_args(args, drafters.values())
@@ -390,7 +392,8 @@ def cmd_bench_engine(args) -> int:
     setup_torch(args)
     run = run_engine_bench(args.model, args.dtypes, drafter, args.datasets, args.max_new_tokens,
                            progress=lambda line: print(line, file=sys.stderr))
-    publish(run, out, "engine", lambda: engine_plot(run, out / "engine-forward.png"), engine_section, args.markdown)
+    publish(run, out, args.name, lambda: engine_plot(run, out / f"{args.name}-forward.png"),
+            lambda run_, command, plot: engine_section(run_, command, plot, args.name), args.markdown)
     return 0
 
 
@@ -715,7 +718,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench-engine", help="forward cost of our engine vs HF and llama.cpp, against the bandwidth bound")
     p.add_argument("--model", default=DEFAULT_TARGET)
     p.add_argument("--threads", type=threads, default=0)
-    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["float32", "bfloat16", "int8"],
+                   help="int8: weight-only int8 with bfloat16 activations")
+    p.add_argument("--name", default="engine", help="name of the result files and of the BENCHMARKS.md section")
     p.add_argument("--drafter", help="drafter for the DSpark rows (default: the shipped one)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"])
     p.add_argument("--max-new-tokens", type=positive_int, default=96)

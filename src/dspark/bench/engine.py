@@ -4,7 +4,9 @@ Side by side in one run, per precision: milliseconds per forward of n = 1..16 ne
 our decoder, the Hugging Face model it replaces, and llama.cpp running the GGUF file the model package ships (when
 llama-cpp-python is installed; that file is 4-bit, so it streams fewer bytes than either torch precision); the
 memory-bandwidth bound (weight bytes ÷ the bandwidth a large matrix-vector product reaches here); then plain
-decoding tokens/s of each engine and DSpark tokens/s (fixed γ and scheduled) on the evaluation sets.
+decoding tokens/s of each engine and DSpark tokens/s (fixed γ and scheduled) on the evaluation sets, and how many
+tokens each precision's plain output shares with float32's before they differ. Precisions: float32, bfloat16, and
+int8 (weight-only int8 with bfloat16 activations).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dspark.assets import eval_prompts
-from dspark.bench.run import hf_generate
+from dspark.bench.run import common_prefix, hf_generate
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.decoding.policy import FixedLength
@@ -125,12 +127,21 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
         import llama_cpp
 
         run["llama_cpp"] = {"version": llama_cpp.__version__, "file": Path(llm.model_path).name, "threads": threads}
+    reference = {}  # float32 plain output per dataset: what every precision's plain output is compared with
     for dtype in dtypes:
-        target = Target.load(model, dtype=dtype)
+        quantized = dtype == "int8"  # int8 weights, bfloat16 activations
+        target = Target.load(model, dtype="bfloat16" if quantized else dtype, quantize="int8" if quantized else None)
+        if not reference:
+            exact = target if dtype == "float32" else Target.load(model, dtype="float32")
+            for name in datasets:
+                reference[name] = generate_plain(exact, [exact.encode_chat(eval_prompts(name, 1)[0])],
+                                                 max_new_tokens)[0].token_ids
+            del exact
         context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
         ours = profile_target(target, counts, context, repeats)
-        rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms)),
-                "hf": hf_forward_ms(target, context_ids, counts, repeats)}
+        rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms))}
+        if not quantized:  # the HF model is not quantized: nothing to compare with there
+            rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
         if llm is not None and dtype == dtypes[0]:
             rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
         bound = round(streamed_bytes(target) / (run["bandwidth_gbs"] * 1e9) * 1000, 2)
@@ -150,9 +161,11 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
         for name in datasets:
             ids = target.encode_chat(eval_prompts(name, 1)[0])
             plain = generate_plain(target, [ids], max_new_tokens)[0]
-            row = {"dtype": dtype, "dataset": name, "ours": round(plain.tokens_per_s, 2)}
-            hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
-            row["hf"] = round(len(hf_tokens) / seconds, 2)
+            row = {"dtype": dtype, "dataset": name, "ours": round(plain.tokens_per_s, 2),
+                   "same as float32": common_prefix(plain.token_ids, reference[name])}
+            if not quantized:
+                hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
+                row["hf"] = round(len(hf_tokens) / seconds, 2)
             if llm is not None and dtype == dtypes[0]:
                 count, seconds = llama_generate(llm, ids, max_new_tokens)
                 row["llama.cpp"] = round(count / seconds, 2)

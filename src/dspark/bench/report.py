@@ -262,10 +262,10 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
     return "\n".join(out)
 
 
-def engine_section(run: dict, command: str, plot: str) -> str:
+def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> str:
     """The `engine` section of BENCHMARKS.md: forward cost per engine against the bandwidth bound, then decoding speed."""
     m = run["machine"]
-    out = ["## engine", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
+    out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
            f"{', '.join(m['cpu_flags']) or 'n/a'}; torch {m['torch']}. Matrix-vector bandwidth measured here: "
            f"{run['bandwidth_gbs']} GB/s; the bound is the weight bytes one step reads divided by it."]
@@ -284,10 +284,11 @@ def engine_section(run: dict, command: str, plot: str) -> str:
         out.append(f"| {r['dtype']} | {r['engine']} | " + " | ".join(_fmt(ms.get(str(n)), 1) for n in counts)
                    + f" | {ratio} |")
     engines = [k for k in dict.fromkeys(k for r in run["decode"] for k in r)
-               if k not in ("dtype", "dataset") and not k.endswith(("tau", "identical"))]
+               if k not in ("dtype", "dataset", "same as float32") and not k.endswith(("tau", "identical"))]
     out += ["", "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
-            "scheduled; τ and whether its output is identical to our plain decoding in brackets):", "",
-            "| precision | set | " + " | ".join(engines) + " |", "| --- " * (len(engines) + 2) + "|"]
+            "scheduled; τ and whether its output is identical to our plain decoding in brackets; last column: tokens "
+            "our plain output shares with float32's before the first difference):", "",
+            "| precision | set | " + " | ".join(engines) + " | same as float32 |", "| --- " * (len(engines) + 3) + "|"]
     for r in run["decode"]:
         cells = []
         for e in engines:
@@ -295,7 +296,7 @@ def engine_section(run: dict, command: str, plot: str) -> str:
             if f"{e} tau" in r:
                 cell += f" (τ {r[e + ' tau']}, {'same' if r[e + ' identical'] else 'differs'})"
             cells.append(cell)
-        out.append(f"| {r['dtype']} | {r['dataset']} | " + " | ".join(cells) + " |")
+        out.append(f"| {r['dtype']} | {r['dataset']} | " + " | ".join(cells) + f" | {r.get('same as float32', '–')} |")
     out += ["", f"![forward cost]({plot})", ""]
     return "\n".join(out)
 
