@@ -45,13 +45,19 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 
 
 def streamed_bytes(target) -> int:
-    """Bytes of weights one step reads: every parameter once (a tied embedding is read whole as the LM head)."""
-    seen, total = set(), 0
-    for p in target.model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
+    (int8 matrices at one byte per weight plus their scales); the embedding lookup reads one row."""
+    from dspark.decoder import Int8Weight
+
+    def size(w) -> int:
+        if w is None:
+            return 0
+        if isinstance(w, Int8Weight):
+            return w.q.numel() + w.scale.numel() * w.scale.element_size()
+        return w.numel() * w.element_size()
+
+    layers = sum(size(w) for layer in target.decoder.layers for w in layer.values())
+    return layers + size(target.decoder.final_norm) + size(target.head_weight)
 
 
 @torch.no_grad()
