@@ -43,6 +43,18 @@ def tiny_target(vocab_size=97, layers=4, hidden=32, eos=5, seed=0, dtype=torch.f
     return Target(model, TinyTokenizer(vocab_size, eos), name=f"tiny-{vocab_size}-{seed}", layer_ids=[0, layers - 2])
 
 
+def tiny_family_target(family: str, seed=0, **extra) -> Target:
+    """A tiny random target of any supported family (vocabulary 97, eos 7, layers 0 and 2 captured)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
+                                  max_position_embeddings=512, **extra)
+    return Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
+                  layer_ids=[0, 2])
+
+
 def tiny_drafter(target: Target, seed=1, **overrides) -> DSparkDrafter:
     torch.manual_seed(seed)
     fields = dict(block_size=5, num_draft_layers=1, markov_rank=8, mask_token_id=target.vocab_size - 1, num_anchors=8)

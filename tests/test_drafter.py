@@ -220,19 +220,11 @@ def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
 def test_a_qwen3_style_backbone_drafts_for_any_family(family, tmp_path):
     """backbone=qwen3: Qwen3 layers (q/k norms) sized from the target, initialised from its layers, saved and
     reloaded, decoding losslessly."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from conftest import TinyTokenizer
+    from conftest import tiny_family_target
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
-    from dspark.target import Target
 
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
-                                  max_position_embeddings=512)
-    target = Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
-                    layer_ids=[0, 2])
+    target = tiny_family_target(family)
     drafter = new_drafter(target, DSparkConfig(num_draft_layers=1, markov_rank=8, block_size=4, backbone="qwen3",
                                                mask_token_id=96))
     assert type(drafter.layers[0]).__name__ == "Qwen3DecoderLayer" and hasattr(drafter.layers[0].self_attn, "q_norm")

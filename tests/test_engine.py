@@ -254,17 +254,9 @@ def test_eagle_and_mtp_baselines_are_lossless(preset_gamma):
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_other_families_fit_the_design(family):
     """The target adapter and the drafter are family-agnostic: a Qwen target decodes losslessly the same way."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from conftest import tiny_family_target
 
-    from conftest import TinyTokenizer
-    from dspark.target import Target
-
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
-                                  max_position_embeddings=512)
-    target = Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
-                    layer_ids=[0, 2])
+    target = tiny_family_target(family)
     drafter = tiny_drafter(target, markov_head_type="gated")
     if family == "qwen3":
         assert hasattr(drafter.layers[0].self_attn, "q_norm")  # the family's own per-head norms are in the backbone

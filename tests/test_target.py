@@ -28,21 +28,13 @@ def test_features_equal_hf_hidden_states(target):
 def test_our_forward_equals_hf_for_every_supported_family(family):
     """Logits and captured features of our decoder equal the Hugging Face model's, in float32, for a whole sequence
     and for the same sequence fed in pieces through the cache."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from conftest import tiny_family_target
 
-    from conftest import TinyTokenizer
-    from dspark.target import Target
-
-    torch.manual_seed(0)
-    extra = dict(attention_bias=True) if family == "llama" else {}
-    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                                  **extra)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    target = tiny_family_target(family, **(dict(attention_bias=True) if family == "llama" else {}))
+    model = target.model
     with torch.no_grad():
-        for p in model.parameters():  # non-trivial norms and biases everywhere
+        for p in model.parameters():  # non-trivial norms and biases everywhere (in place: the fused views follow)
             p.add_(0.1 * torch.randn_like(p))
-    target = Target(model, TinyTokenizer(97, 7), name=f"tiny-{family}", layer_ids=[0, 2])
     ids = torch.randint(0, 97, (2, 11))
     hf = model(ids, output_hidden_states=True)
     ours = target.forward_sequences(ids, features=True)
