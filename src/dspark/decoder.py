@@ -41,9 +41,6 @@ class Int8Weight:
         self.q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.scale = scale.to(weight.dtype)
 
-    def dequantized(self) -> torch.Tensor:
-        return self.q.to(self.scale.dtype) * self.scale[:, None]
-
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) for a float or an int8 weight."""
@@ -124,12 +121,11 @@ class LeanDecoder:
         """Append input_ids [B, W] (row b: its first num_new[b] real) to the cache. Returns the final normed hidden
         states [B, W, d] and the outputs of the `capture` layers."""
         batch, width = input_ids.shape
-        common = cache.common_length()
-        cache.reserve(width)
-        positions = cache.positions(width)
+        slots = cache.open(width)
+        positions = slots.positions
         upto = int(positions[:, -1].max()) + 1
         # One token per row at one common length sees every slot up to itself: no mask at all.
-        mask = None if width == 1 and common is not None else causal_visibility(positions, upto)
+        mask = None if width == 1 and slots.start is not None else causal_visibility(positions, upto)
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, positions)
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
@@ -142,7 +138,7 @@ class LeanDecoder:
                 q, k = rms_norm(q, p["q_norm"], self.eps), rms_norm(k, p["k_norm"], self.eps)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            cache.write(i, k, v, positions, common)
+            cache.write(i, k, v, slots)
             keys, values = cache.view(i, upto)
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                                  enable_gqa=self.kv_heads != self.heads)
@@ -151,5 +147,5 @@ class LeanDecoder:
             x = x + linear(self.act(gate) * up, p["down"])
             if i in wanted:
                 captured[i] = x
-        cache.lengths = cache.lengths + num_new
+        cache.advance(num_new)
         return rms_norm(x, self.final_norm, self.eps), [captured[i] for i in capture]

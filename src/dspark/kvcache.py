@@ -10,7 +10,17 @@ end.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+
+class Slots(NamedTuple):
+    """Where a forward's new tokens go: positions [B, W], and their common first position when every row has the
+    same length (a plain slice copy), else None."""
+
+    positions: torch.Tensor
+    start: int | None
 
 
 class KVCache:
@@ -42,16 +52,24 @@ class KVCache:
         """Positions [B, width] of the next `width` tokens of each row."""
         return self.lengths[:, None] + torch.arange(width, device=self.lengths.device)
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, start: int | None) -> None:
-        """Store k, v [B, H, W, hd] at `positions` [B, W]; `start` is their common first position when every row
-        has the same length (a plain slice copy), else None."""
-        if start is not None:
-            self.k[layer, :, :, start : start + k.shape[2]] = k
-            self.v[layer, :, :, start : start + k.shape[2]] = v
+    def open(self, width: int) -> Slots:
+        """Room and positions for `width` new tokens per row; write them layer by layer, then `advance`."""
+        self.reserve(width)
+        return Slots(self.positions(width), self.common_length())
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: Slots) -> None:
+        """Store k, v [B, H, W, hd] in the slots `open` returned."""
+        if slots.start is not None:
+            self.k[layer, :, :, slots.start : slots.start + k.shape[2]] = k
+            self.v[layer, :, :, slots.start : slots.start + k.shape[2]] = v
             return
         rows = torch.arange(k.shape[0], device=k.device)[:, None]
-        self.k[layer][rows, :, positions] = k.transpose(1, 2)
-        self.v[layer][rows, :, positions] = v.transpose(1, 2)
+        self.k[layer][rows, :, slots.positions] = k.transpose(1, 2)
+        self.v[layer][rows, :, slots.positions] = v.transpose(1, 2)
+
+    def advance(self, num_new: torch.Tensor) -> None:
+        """The first num_new[b] of row b's written tokens are now part of it."""
+        self.lengths = self.lengths + num_new
 
     def view(self, layer: int, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values [B, H, upto, hd] of slots 0..upto-1."""

@@ -65,7 +65,6 @@ class Target:
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
         self.head_weight = self.lm_head.weight  # or its Int8Weight after quantize_int8()
-        self.quantization = None
         self.decoder = LeanDecoder(self.model)
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
@@ -190,7 +189,6 @@ class Target:
         and speculative decoding both run this quantized target, so they still agree token for token."""
         self.decoder.quantize_int8()
         self.head_weight = Int8Weight(self.lm_head.weight.data)
-        self.quantization = "int8"
         return self
 
     @torch.no_grad()

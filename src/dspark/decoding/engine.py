@@ -46,9 +46,6 @@ class Batch:
     dcache: object = None
     anchors: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
 
 class SpeculativeEngine:
     def __init__(self, target, drafter: Proposer | None = None, policy=None):

@@ -19,9 +19,6 @@ from dspark.decoder import rotate
 from dspark.errors import DSparkError
 
 
-BACKBONES = ("family", "qwen3")
-
-
 def backbone_layout(target_config, backbone: str):
     """(layer config, (DecoderLayer, RMSNorm, RotaryEmbedding)) of a drafter backbone for this target."""
     if backbone == "family":

@@ -8,6 +8,7 @@ from dspark.errors import DSparkError
 
 HEAD_TYPES = ("vanilla", "gated", "rnn")
 ARCHITECTURES = ("dspark", "eagle3")
+BACKBONES = ("family", "qwen3")
 
 
 @dataclass
@@ -62,8 +63,8 @@ class DSparkConfig:
                 bad("num_draft_layers", "the eagle3 baseline has exactly one decoder layer")
             if self.markov_rank or self.enable_confidence_head:
                 bad("markov_rank", "the eagle3 baseline has no sequential or confidence head (rank 0, no confidence)")
-        if self.backbone not in ("family", "qwen3"):
-            bad("backbone", f"unknown backbone '{self.backbone}'; use family or qwen3")
+        if self.backbone not in BACKBONES:
+            bad("backbone", f"unknown backbone '{self.backbone}'; use one of {', '.join(BACKBONES)}")
         if not 0 <= self.draft_vocab_size <= vocab_size:
             bad("draft_vocab_size", f"must be in [0, {vocab_size}] (0 = full vocabulary), got {self.draft_vocab_size}")
 

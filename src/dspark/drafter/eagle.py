@@ -83,16 +83,15 @@ class EagleDrafter(DSparkDrafter):
     def extend_context(self, cache: DraftCache, features, num_new, next_ids=None) -> None:
         """Append real entries [f_t ; e(x_{t+1})] for the new positions; keep each row's last output, which
         proposes the first draft token of the next round."""
-        width = features.shape[1]
-        common, upto = cache.common_length(), int(cache.lengths.max())
-        positions = cache.positions(width)
+        width, upto = features.shape[1], int(cache.lengths.max())
+        slots = cache.open(width)
+        positions = slots.positions
         past_k, past_v = cache.view(0, upto)
         own = torch.ones(width, width, dtype=torch.bool, device=positions.device).tril()
         mask = torch.cat([cache.filled(upto)[:, None, :].expand(-1, width, -1), own.expand(len(positions), -1, -1)], 2)
         h, k, v = self._layer(self._inputs(self.fuse(features), next_ids), positions, past_k, past_v, mask[:, None])
-        cache.reserve(width)
-        cache.write(0, k, v, positions, common)
-        cache.lengths = cache.lengths + num_new
+        cache.write(0, k, v, slots)
+        cache.advance(num_new)
         cache.row_state["last"] = h[torch.arange(h.shape[0]), (num_new - 1).clamp_min(0)]
 
     @torch.no_grad()

@@ -230,12 +230,10 @@ class DSparkDrafter(nn.Module):
         """Append the target features of newly accepted tokens ([B, n, F], first num_new[b] real) to the context.
         next_ids [B, n] (the token after each new position) is for drafters that read it (EAGLE); DSpark does not.
         The cache holds accepted tokens only: each row's length grows by exactly num_new[b]."""
-        common = cache.common_length()
-        cache.reserve(features.shape[1])
-        positions = cache.positions(features.shape[1])
-        for i, (k, v) in enumerate(self.context_kv(features, positions)):
-            cache.write(i, k, v, positions, common)
-        cache.lengths = cache.lengths + num_new
+        slots = cache.open(features.shape[1])
+        for i, (k, v) in enumerate(self.context_kv(features, slots.positions)):
+            cache.write(i, k, v, slots)
+        cache.advance(num_new)
 
     @torch.no_grad()
     def propose(

@@ -10,14 +10,11 @@ output is token-for-token identical to plain decoding; bfloat16 output is report
 from __future__ import annotations
 
 import json
-import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from dspark.fsutil import atomic_write_json
-from dspark.scheduling.profile import profile_target
+from dspark.scheduling.profile import machine_cache_file, profile_target
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -41,15 +38,12 @@ def cpu_flags() -> set[str]:
 
 def choose_precision(model: str, load) -> PrecisionChoice:
     """The precision for `model` on this machine; `load(dtype)` returns a Target (only called when measuring)."""
-    from dspark.models import cache_dir
-
     flags = cpu_flags()
     native = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
     if not native:
         return PrecisionChoice("float32", "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is "
                                           "faster", {})
-    name = str(model).replace("/", "_").strip("_.")
-    path = cache_dir() / "precision" / f"{name}-t{torch.get_num_threads()}-{platform.node()}.json"
+    path = machine_cache_file("precision", model)
     if path.exists():
         return PrecisionChoice(**json.loads(path.read_text()))
     times = {}

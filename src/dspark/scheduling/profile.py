@@ -89,16 +89,20 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
                       "threads": torch.get_num_threads(), "target": target.name})
 
 
-def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
-    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
-    read from the dspark cache."""
+def machine_cache_file(kind: str, *key: str) -> Path:
+    """Where a measurement of this machine is kept: per kind, key (target, precision ...), thread count and host."""
     import platform
 
     from dspark.models import cache_dir
 
-    name = str(target.name).replace("/", "_").strip("_.")
-    key = f"{name}-{str(target.dtype).replace('torch.', '')}-t{torch.get_num_threads()}-{platform.node()}"
-    path = cache_dir() / "costs" / f"{key}.json"
+    name = "-".join(str(k).replace("/", "_").strip("_.") for k in key)
+    return cache_dir() / kind / f"{name}-t{torch.get_num_threads()}-{platform.node()}.json"
+
+
+def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
+    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
+    read from the dspark cache."""
+    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""))
     if path.exists():
         return CostTable.load(path)
     table = profile_target(target, token_counts, repeats=repeats)

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dspark.drafter import DSparkConfig, load_drafter, new_drafter
+from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, recover_dir
 from dspark.training.anchors import block_supervision, position_weights, sample_anchors
@@ -62,17 +63,17 @@ class TrainConfig:
     target_dtype: str = opt("bfloat16", "precision of the frozen target", choices=("float32", "bfloat16"))
     preset: str = opt("dspark", "architecture and loss preset", choices=tuple(PRESETS))
     # drafter (docs/design.md §2); None = the preset's value
-    architecture: str | None = opt(None, "drafter architecture (set by --preset)", choices=("dspark", "eagle3"))
+    architecture: str | None = opt(None, "drafter architecture (set by --preset)", choices=ARCHITECTURES)
     block_size: int | None = opt(None, "γ: draft positions per round")
     num_draft_layers: int | None = opt(None, "backbone decoder layers")
     markov_rank: int | None = opt(None, "rank of the sequential head (0 = pure parallel, DFlash)")
-    markov_head_type: str | None = opt(None, "sequential head", choices=("vanilla", "gated", "rnn"))
+    markov_head_type: str | None = opt(None, "sequential head", choices=HEAD_TYPES)
     enable_confidence_head: bool | None = opt(None, "train a confidence head", flag="confidence-head")
     confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
     draft_vocab_size: int = opt(0, "score only the N most frequent answer tokens (0 = the whole vocabulary)")
     feature_norm: bool = opt(False, "RMS-normalise each captured target layer before fc")
     backbone: str = opt("family", "draft layers: the target's own family, or qwen3 (RMSNorm on q and k; portable)",
-                        choices=("family", "qwen3"))
+                        choices=BACKBONES)
     target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
     mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
     init_target_layers: bool = opt(True, "start the backbone from the target's top decoder layers")
