@@ -216,7 +216,7 @@ def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
     assert type(load_drafter(tmp_path / "e", target)).__name__ == "EagleDrafter"
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "gemma3_text"])
 def test_a_qwen3_style_backbone_drafts_for_any_family(family, tmp_path):
     """backbone=qwen3: Qwen3 layers (q/k norms) sized from the target, initialised from its layers, saved and
     reloaded, decoding losslessly."""
@@ -224,12 +224,17 @@ def test_a_qwen3_style_backbone_drafts_for_any_family(family, tmp_path):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
 
-    target = tiny_family_target(family)
+    sliding = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2)
+    target = tiny_family_target(family, **(sliding if family.startswith("gemma") else {}))
     drafter = new_drafter(target, DSparkConfig(num_draft_layers=1, markov_rank=8, block_size=4, backbone="qwen3",
                                                mask_token_id=96))
     assert type(drafter.layers[0]).__name__ == "Qwen3DecoderLayer" and hasattr(drafter.layers[0].self_attn, "q_norm")
     assert drafter.init_from_target_layers(target.model) == [3]
-    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, target.model.model.layers[3].mlp.down_proj.weight)
+    source = target.model.model.layers[3]
+    torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, source.mlp.down_proj.weight)
+    if family.startswith("gemma"):  # Gemma norms scale by 1 + w, Qwen3's by w; the drafter embeds as Gemma does
+        torch.testing.assert_close(drafter.layers[0].input_layernorm.weight, source.input_layernorm.weight + 1)
+        assert drafter.embed_scale == 32 ** 0.5
     drafter.save(tmp_path / "d", target.identity())
     loaded = load_drafter(tmp_path / "d", target)
     assert loaded.config.backbone == "qwen3"

@@ -95,7 +95,7 @@ def test_export_carries_calibration_and_never_clobbers(saved_drafter, tmp_path, 
     assert code == 0, err
     assert (tmp_path / "out" / "calibration.json").is_file() and (tmp_path / "out" / "MODEL_CARD.md").is_file()
     # onto itself: refused, nothing deleted
-    refused(capsys, "is the checkpoint being exported", "export", ckpt, ckpt, "--model", folder)
+    refused(capsys, "is the input folder", "export", ckpt, ckpt, "--model", folder)
     assert (ckpt / "MODEL_CARD.md").is_file() and (ckpt / "calibration.json").is_file()
     # onto a file: refused, the file intact
     victim = tmp_path / "notes.txt"

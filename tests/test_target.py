@@ -24,13 +24,21 @@ def test_features_equal_hf_hidden_states(target):
     assert torch.equal(out.last_hidden, hs[-1])
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+# Gemma 2/3: a window shorter than the sequence, so the sliding layers really forget; Gemma 2 soft-caps attention
+# and final logits (eager attention on the HF side: its SDPA path cannot soft-cap).
+SLIDING = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2, attn_implementation="eager")
+FAMILY_EXTRAS = {"llama": dict(attention_bias=True), "qwen2": {}, "qwen3": {}, "gemma": {},
+                 "gemma2": dict(SLIDING, attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
+                 "gemma3_text": SLIDING}
+
+
+@pytest.mark.parametrize("family", list(FAMILY_EXTRAS))
 def test_our_forward_equals_hf_for_every_supported_family(family):
     """Logits and captured features of our decoder equal the Hugging Face model's, in float32, for a whole sequence
     and for the same sequence fed in pieces through the cache."""
     from conftest import tiny_family_target
 
-    target = tiny_family_target(family, **(dict(attention_bias=True) if family == "llama" else {}))
+    target = tiny_family_target(family, **FAMILY_EXTRAS[family])
     model = target.model
     with torch.no_grad():
         for p in model.parameters():  # non-trivial norms and biases everywhere (in place: the fused views follow)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from dspark.errors import DSparkError
+from dspark.formats import EXPORT_FORMATS
 from dspark.fsutil import check_output_dir, check_output_file
 
 
@@ -419,6 +420,35 @@ def publish(run: dict, out: Path, name: str, plot, section, markdown: str) -> No
     print(f"dspark: wrote {out / (name + '.json')}, {png} and section '{name}' of {path}", file=sys.stderr)
 
 
+def cmd_bench_llama_cpp(args) -> int:
+    import torch
+
+    from dspark.assets import shipped_drafter
+    from dspark.bench.llamacpp import run_llama_cpp_bench
+    from dspark.bench.report import llama_cpp_plot, llama_cpp_section
+    from dspark.drafter import load_drafter
+    from dspark.formats import export_foreign
+    from dspark.models import target_gguf as known_gguf
+
+    drafter_path = Path(args.drafter or shipped_drafter(args.model))
+    out = check_bench_args(args, [drafter_path])
+    target_gguf = Path(args.target_gguf) if args.target_gguf else known_gguf(args.model)
+    target = load_target(args)
+    drafter = load_drafter(drafter_path, target)
+    draft_dir = out / "llama-cpp-draft"
+    draft_dir.mkdir(parents=True, exist_ok=True)
+    for stale in draft_dir.glob("*.gguf"):
+        stale.unlink()
+    export_foreign(drafter, target, draft_dir, "gguf", torch.float32, target_gguf)
+    run = run_llama_cpp_bench(target, drafter, drafter_path, next(draft_dir.glob("*.gguf")), target_gguf,
+                              Path(args.llama_bin), args.datasets, args.prompts_per_set, args.max_new_tokens,
+                              args.p_min, torch.get_num_threads(),
+                              progress=lambda line: print(line, file=sys.stderr))
+    publish(run, out, "llama-cpp", lambda: llama_cpp_plot(run, out / "llama-cpp.png"), llama_cpp_section,
+            args.markdown)
+    return 0
+
+
 def cmd_bench_serve(args) -> int:
     from dspark.assets import eval_prompts, shipped_drafter
     from dspark.bench.report import serve_plot, serve_section
@@ -442,6 +472,17 @@ def cmd_bench_serve(args) -> int:
 DRAFTER_COMPANIONS = ("calibration.json", "MODEL_CARD.md")
 
 
+def check_new_folder(out: Path, overwrite: bool, source: Path | None = None) -> None:
+    """An output folder that is new, empty, or explicitly replaced; never a file or the input itself."""
+    if out.exists() and not out.is_dir():
+        raise DSparkError(f"{out} is a file; this command writes a folder. Choose another output path")
+    if source is not None and out.exists() and out.resolve() == source.resolve():
+        raise DSparkError(f"{out} is the input folder; write to another folder")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to replace it")
+    check_output_dir(out, "output folder")
+
+
 def cmd_export(args) -> int:
     import shutil
 
@@ -451,26 +492,57 @@ def cmd_export(args) -> int:
 
     source, out = Path(args.checkpoint), Path(args.out)
     meta = read_checkpoint_meta(source)
-    if out.exists() and not out.is_dir():
-        raise DSparkError(f"{out} is a file; export writes a folder. Choose another output path")
-    if out.exists() and out.resolve() == source.resolve():
-        raise DSparkError(f"{out} is the checkpoint being exported; write the export to another folder")
-    if out.is_dir() and any(out.iterdir()) and not args.overwrite:
-        raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to replace it")
-    check_output_dir(out, "export folder")
+    check_new_folder(out, args.overwrite, source)
     target = load_target(args)
     drafter = load_drafter(source, target)
-    extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
+    dtype = parse_dtype(args.dtype)
+    target_gguf = None
+    if args.format == "gguf":
+        from dspark.models import target_gguf as known_gguf
+
+        target_gguf = Path(args.target_gguf) if args.target_gguf else known_gguf(args.model)
+        if not target_gguf.is_file():
+            raise DSparkError(f"--target-gguf {target_gguf} does not exist; pass the GGUF file of the target model")
     with atomic_dir(out) as tmp:
-        drafter.save(tmp / "drafter", target.identity(), extra=extra, dtype=parse_dtype(args.dtype))
-        for name in ("config.json", "model.safetensors"):
-            (tmp / "drafter" / name).rename(tmp / name)
-        (tmp / "drafter").rmdir()
-        carried = [name for name in DRAFTER_COMPANIONS if (source / name).is_file()]
+        if args.format == "dspark":
+            extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
+            drafter.save(tmp / "drafter", target.identity(), extra=extra, dtype=dtype)
+            for name in ("config.json", "model.safetensors"):
+                (tmp / "drafter" / name).rename(tmp / name)
+            (tmp / "drafter").rmdir()
+        else:
+            from dspark.formats import export_foreign
+
+            export_foreign(drafter, target, tmp, args.format, dtype, target_gguf)
+        # The scheduler's calibration means something only to dspark; the model card travels everywhere.
+        companions = DRAFTER_COMPANIONS if args.format == "dspark" else ("MODEL_CARD.md",)
+        carried = [name for name in companions if (source / name).is_file()]
         for name in carried:
             shutil.copy2(source / name, tmp / name)
-    note = f", with {', '.join(carried)}" if carried else ", no calibration.json to carry (run `dspark calibrate`)"
-    print(f"dspark: wrote {out} ({args.dtype}){note}", file=sys.stderr)
+    note = f", with {', '.join(carried)}" if carried else ""
+    if args.format == "dspark" and "calibration.json" not in carried:
+        note += ", no calibration.json to carry (run `dspark calibrate`)"
+    print(f"dspark: wrote {out} ({args.format}, {args.dtype}){note}", file=sys.stderr)
+    if args.format == "gguf":
+        draft = next(out.glob("*.gguf"))
+        print(f"run it with llama.cpp:\n  llama-server -m {target_gguf} -md {draft} --spec-type draft-dspark "
+              f"--spec-draft-n-max {drafter.block_size}", file=sys.stderr)
+    return 0
+
+
+def cmd_import(args) -> int:
+    from dspark.formats import detect, import_foreign
+
+    source, out = Path(args.source), Path(args.out)
+    if not source.is_dir():
+        raise DSparkError(f"{source} is not a folder; `dspark import` reads a speculators or DeepSpec drafter folder")
+    check_new_folder(out, args.overwrite, source)
+    fmt = detect(source)
+    target = load_target(args)
+    drafter = import_foreign(source, target)
+    drafter.save(out, target.identity(), extra={"imported_from": {"format": fmt, "path": str(source)}})
+    print(f"dspark: imported the {fmt} drafter {source} into {out} (run `dspark calibrate` before scheduling with it)",
+          file=sys.stderr)
     return 0
 
 
@@ -728,6 +800,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_engine)
 
+    p = sub.add_parser("bench-llama-cpp", help="llama.cpp (plain, n-gram, our drafter as GGUF) beside our engine")
+    add_target_args(p)
+    p.add_argument("--drafter", help="dspark drafter checkpoint, exported to GGUF for llama.cpp (default: shipped)")
+    p.add_argument("--llama-bin", required=True,
+                   help="folder with llama.cpp's llama-completion and llama-speculative-simple (docs/formats.md)")
+    p.add_argument("--target-gguf", help="the target's GGUF for llama.cpp (default: the known target's own file)")
+    p.add_argument("--datasets", nargs="+", default=["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"])
+    p.add_argument("--prompts-per-set", type=positive_int, default=2)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--p-min", type=float, default=0.5, help="llama.cpp's --spec-draft-p-min for the threshold row")
+    p.add_argument("--out", default="bench")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_bench_llama_cpp)
+
     p = sub.add_parser("bench-serve", help="the server under load: latency and throughput per verification policy")
     add_target_args(p)
     p.add_argument("--drafter", help="drafter for the speculative policies (default: the shipped one)")
@@ -752,12 +838,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_train)
 
-    p = sub.add_parser("export", help="write a drafter checkpoint in another precision (e.g. bfloat16 to ship)")
+    p = sub.add_parser("export", help="write a drafter in another precision or format (speculators for vLLM, "
+                                      "deepspec, gguf for llama.cpp)")
     p.add_argument("checkpoint")
-    p.add_argument("out", help="a new folder (the calibration and model card travel with the weights)")
+    p.add_argument("out", help="a new folder (the model card, and for dspark the calibration, travel with the weights)")
+    p.add_argument("--format", choices=EXPORT_FORMATS, default="dspark",
+                   help="dspark (default), speculators (vLLM --speculative-config), deepspec, gguf (llama.cpp "
+                        "--spec-type draft-dspark); see docs/formats.md")
+    p.add_argument("--target-gguf", help="--format gguf: the target's GGUF, whose vocabulary the draft copies "
+                                         "(default: the file a known target's package carries)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
     add_target_args(p, auto_dtype=False)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("import", help="convert a speculators or DeepSpec DSpark drafter into a dspark checkpoint")
+    p.add_argument("source", help="the drafter folder (config.json + safetensors)")
+    p.add_argument("out", help="a new folder for the dspark checkpoint")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
+    add_target_args(p, auto_dtype=False)
+    p.set_defaults(func=cmd_import)
 
     p = sub.add_parser("profile", help="measure the verify cost table SPS(B) of this machine (JSON)")
     add_target_args(p)

@@ -1,4 +1,4 @@
-"""Our own forward of a pre-norm decoder LM (Llama, Qwen2, Qwen3) over the position-addressed KV cache.
+"""Our own forward of a pre-norm decoder LM (Llama, Qwen2, Qwen3, Gemma 1/2/3) over the position-addressed KV cache.
 
 Hugging Face loads the weights and stays the reference (the tests hold this forward to its logits and hidden
 states); the forward is ours because the per-token cost of a 135M model on a CPU is mostly framework overhead:
@@ -16,7 +16,8 @@ from transformers.activations import ACT2FN
 from dspark.errors import DSparkError
 from dspark.kvcache import KVCache, causal_visibility
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3")
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -31,6 +32,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: scale by (1 + weight), in float32, cast back only at the end."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).type_as(x)
+
+
+def softcapped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
+    """Attention with Gemma 2's logit soft-capping, cap·tanh(scores/cap), which SDPA cannot express."""
+    groups = q.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * (scale / cap)) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ values
 
 
 class Int8Weight:
@@ -84,23 +102,36 @@ class LeanDecoder:
             raise DSparkError(f"{config.model_type} with a sliding attention window or MLP biases is not supported yet")
         decoder = model.get_decoder()
         attn = decoder.layers[0].self_attn
+        gemma = config.model_type in GEMMA_FAMILIES
         self.embed = decoder.embed_tokens.weight
+        # Gemma scales the embedding by sqrt(d) (in the model's dtype) and norms by (1 + weight).
+        self.embed_scale = config.hidden_size ** 0.5 if gemma else None
+        self.norm = gemma_rms_norm if gemma else rms_norm
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
         self.eps = config.rms_norm_eps
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
-        self.act = ACT2FN[config.hidden_act]
+        self.softcap = getattr(config, "attn_logit_softcapping", None)
+        self.act = ACT2FN[getattr(config, "hidden_activation", None) or config.hidden_act]
+        # Gemma 2/3 alternate sliding-window and global layers; Gemma 3 also ropes each kind with its own base.
+        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
+        self.window = getattr(config, "sliding_window", None)
+        self.rope_per_type = hasattr(self.rotary, "layer_types")
         self.layers = []
         for layer in decoder.layers:
             a, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
             gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+            # Gemma 2/3 norm the attention and MLP outputs too ("sandwich" norms); Gemma names its norms apart.
+            pre_ffn = getattr(layer, "pre_feedforward_layernorm", None)
             self.layers.append(dict(
                 qkv_w=qkv_w, qkv_b=qkv_b, o_w=a.o_proj.weight, o_b=a.o_proj.bias, gate_up=gate_up,
                 down=mlp.down_proj.weight, in_norm=layer.input_layernorm.weight,
-                post_norm=layer.post_attention_layernorm.weight,
+                post_norm=(pre_ffn if pre_ffn is not None else layer.post_attention_layernorm).weight,
+                attn_out_norm=layer.post_attention_layernorm.weight if pre_ffn is not None else None,
+                mlp_out_norm=getattr(getattr(layer, "post_feedforward_layernorm", None), "weight", None),
                 q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
             ))
@@ -125,27 +156,43 @@ class LeanDecoder:
         positions = slots.positions
         upto = int(positions[:, -1].max()) + 1
         # One token per row at one common length sees every slot up to itself: no mask at all.
-        mask = None if width == 1 and slots.start is not None else causal_visibility(positions, upto)
+        full = None if width == 1 and slots.start is not None else causal_visibility(positions, upto)
+        masks = {"full_attention": full}
+        if "sliding_attention" in self.layer_types:
+            # A sliding layer sees the last `window` positions (itself included) of its own row.
+            seen = torch.arange(upto, device=positions.device)[None, None, :] > positions[:, :, None] - self.window
+            masks["sliding_attention"] = causal_visibility(positions, upto) & seen[:, None]
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self.rotary(x, positions)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        rope = {t: self.rotary(x, positions, t) if self.rope_per_type else self.rotary(x, positions)
+                for t in set(self.layer_types)}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        norm, eps = self.norm, self.eps
         wanted, captured = set(capture), {}
         for i, p in enumerate(self.layers):
-            h = rms_norm(x, p["in_norm"], self.eps)
+            cos, sin = rope[self.layer_types[i]]
+            mask = masks[self.layer_types[i]]
+            h = norm(x, p["in_norm"], eps)
             q, k, v = linear(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
             q, k, v = (t.view(batch, width, -1, self.head_dim) for t in (q, k, v))
             if p["q_norm"] is not None:
-                q, k = rms_norm(q, p["q_norm"], self.eps), rms_norm(k, p["k_norm"], self.eps)
+                q, k = norm(q, p["q_norm"], eps), norm(k, p["k_norm"], eps)
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             cache.write(i, k, v, slots)
             keys, values = cache.view(i, upto)
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                 enable_gqa=self.kv_heads != self.heads)
-            x = x + linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
-            gate, up = linear(rms_norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(self.act(gate) * up, p["down"])
+            if self.softcap:
+                out = softcapped_attention(q, keys, values, mask, self.scaling, self.softcap)
+            else:
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
+                                                     enable_gqa=self.kv_heads != self.heads)
+            out = linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
+            x = x + (out if p["attn_out_norm"] is None else norm(out, p["attn_out_norm"], eps))
+            gate, up = linear(norm(x, p["post_norm"], eps), p["gate_up"]).chunk(2, dim=-1)
+            out = linear(self.act(gate) * up, p["down"])
+            x = x + (out if p["mlp_out_norm"] is None else norm(out, p["mlp_out_norm"], eps))
             if i in wanted:
                 captured[i] = x
         cache.advance(num_new)
-        return rms_norm(x, self.final_norm, self.eps), [captured[i] for i in capture]
+        return norm(x, self.final_norm, eps), [captured[i] for i in capture]

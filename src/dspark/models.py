@@ -73,6 +73,15 @@ def _package_folder(spec: KnownTarget) -> Path:
     return folder
 
 
+def target_gguf(name: str) -> Path:
+    """The GGUF file a known target's package carries (what llama.cpp runs as the target)."""
+    if name not in KNOWN_TARGETS:
+        raise DSparkError(f"'{name}' is not a known target, so dspark does not know its GGUF file; pass --target-gguf "
+                          "with the GGUF of your model (llama.cpp's convert_hf_to_gguf.py writes one)")
+    spec = KNOWN_TARGETS[name]
+    return _package_folder(spec) / spec.gguf_file
+
+
 def provision(name: str) -> Path:
     """Convert a known target's GGUF into a safetensors folder once. Atomic: the folder appears whole or not at all."""
     spec = KNOWN_TARGETS[name]

@@ -182,7 +182,9 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.head_weight).float()
+        logits = linear(hidden, self.head_weight).float()
+        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def quantize_int8(self) -> Target:
         """Weight-only int8 (per-channel scales) for every matrix the decode step streams, LM head included. Plain

@@ -77,13 +77,12 @@ def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> di
 def llama_cpp_model(model: str, threads: int):
     """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not installed, or a target
     that ships no GGUF)."""
-    from dspark.models import KNOWN_TARGETS, _package_folder
+    from dspark.models import KNOWN_TARGETS, target_gguf
 
     if importlib.util.find_spec("llama_cpp") is None or model not in KNOWN_TARGETS:
         return None
     import llama_cpp
 
-    spec = KNOWN_TARGETS[model]
     # Weight repacking for AMX faults on machines that report AMX but do not grant its tile state; plain kernels.
     params = llama_cpp.llama_model_default_params
 
@@ -94,7 +93,7 @@ def llama_cpp_model(model: str, threads: int):
 
     llama_cpp.llama_cpp.llama_model_default_params = no_repack
     llama_cpp.llama.llama_cpp.llama_model_default_params = no_repack
-    return llama_cpp.Llama(str(_package_folder(spec) / spec.gguf_file), n_ctx=2048, n_threads=threads, n_batch=512,
+    return llama_cpp.Llama(str(target_gguf(model)), n_ctx=2048, n_threads=threads, n_batch=512,
                            logits_all=True, verbose=False)
 
 

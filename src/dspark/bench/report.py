@@ -373,3 +373,54 @@ def serve_plot(rows: list[dict], path: Path) -> Path:
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
     return _save(fig, path)
+
+
+LLAMA_COLUMNS = ("llama.cpp plain", "llama.cpp ngram", "llama.cpp dspark", "ours plain", "ours dspark", "ours dspark+sched")
+
+
+def llama_cpp_section(run: dict, command: str, plot: str) -> str:
+    """The `llama-cpp` section: tokens/s and τ of llama.cpp and our engine, per evaluation set, with output identity."""
+    m, rows = run["machine"], run["rows"]
+    threshold = f"llama.cpp dspark p>={run['p_min']}"
+    columns = [*LLAMA_COLUMNS[:3], threshold, *LLAMA_COLUMNS[3:]]
+    out = ["## llama-cpp", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
+           f"Machine: {m['cpu']}, {m['cores']} cores, {run['threads']} threads for llama.cpp, torch threads "
+           f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on "
+           f"`{run['target_gguf']}`, with our drafter exported by `dspark export --format gguf` "
+           f"(`--spec-type draft-dspark --spec-draft-n-max {run['gamma']}`, fixed length: `--spec-draft-p-min 0`); "
+           f"n-gram: `--spec-type ngram-simple`. Ours: {run['model']} in {run['dtype']}, drafter {run['drafter']}. "
+           f"Greedy, up to {run['max_new_tokens']} new tokens, {run['prompts_per_set']} prompt(s) per set.", "",
+           "Tokens/s (τ = tokens per target verification):", "",
+           "| set | " + " | ".join(columns) + " |", "| --- " * (len(columns) + 1) + "|"]
+    for name in run["datasets"]:
+        subset = [r for r in rows if r["dataset"] == name]
+        cells = []
+        for c in columns:
+            speed = _mean([r[c]["tok_s"] for r in subset])
+            tau = _mean([r[c]["tau"] for r in subset if "tau" in r[c]])
+            cells.append(_fmt(speed) + (f" (τ {_fmt(tau)})" if tau is not None else ""))
+        out.append(f"| {name} | " + " | ".join(cells) + " |")
+    same = {c: all(r[c]["identical"] for r in rows) for c in columns if "identical" in rows[0][c]}
+    out += ["", "Greedy output identical to the same runtime's plain decoding on every prompt: "
+            + ", ".join(f"{c}: {'yes' if ok else 'NO'}" for c, ok in same.items()) + ".", "",
+            f"![tokens/s per method]({plot})", ""]
+    return "\n".join(out)
+
+
+def llama_cpp_plot(run: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = run["rows"]
+    columns = [c for c in rows[0] if isinstance(rows[0][c], dict)]
+    fig, ax = plt.subplots(figsize=(9, 4))
+    width = 0.8 / len(columns)
+    for i, c in enumerate(columns):
+        speeds = [_mean([r[c]["tok_s"] for r in rows if r["dataset"] == name]) for name in run["datasets"]]
+        ax.bar([x + i * width for x in range(len(run["datasets"]))], speeds, width, label=c)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(run["datasets"]))], run["datasets"])
+    ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, path)

@@ -25,7 +25,7 @@ class DSparkConfig:
     num_anchors: int = 512  # blocks sampled per training sequence
     draft_vocab_size: int = 0  # 0 = the target's whole vocabulary; else a frequent subset (d2t map)
     feature_norm: bool = False  # RMS-normalise each captured layer before fc (tames massive activations)
-    backbone: str = "family"  # family: the target's own decoder layers | qwen3: Qwen3-style layers for any target
+    backbone: str = "qwen3"  # qwen3: portable Qwen3-style layers for any target | family: the target's own layers
 
     def validate(self, num_target_layers: int, vocab_size: int) -> None:
         def bad(name, why):
@@ -74,6 +74,8 @@ class DSparkConfig:
     @classmethod
     def from_dict(cls, data: dict, where: str = "drafter config") -> DSparkConfig:
         """A config from JSON data, every field checked for its type (a hand-edited file must not load half-wrong)."""
+        if "backbone" not in data:  # written before the field existed, when every drafter used the target's family
+            data = dict(data, backbone="family")
         known = {f.name: f for f in fields(cls)}
         unknown = set(data) - set(known)
         if unknown:

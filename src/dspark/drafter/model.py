@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dspark.decoder import GEMMA_FAMILIES
 from dspark.drafter.backbone import backbone_layout, check_layer_layout, context_kv, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
@@ -29,6 +30,19 @@ FORMAT_VERSION = 2  # 2: model.safetensors metadata repeats WEIGHT_SHAPING_FIELD
 WEIGHT_SHAPING_FIELDS = ("architecture", "block_size", "num_draft_layers", "target_layer_ids", "markov_rank",
                          "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size",
                          "backbone")
+
+
+def gemma_as_qwen3(state: dict) -> dict:
+    """A Gemma layer's weights as a warm start for a Qwen3-style layer: Gemma norms scale by (1 + w), Qwen3's by w,
+    so the pre-norms convert exactly; the sandwich norms after attention and MLP have no place and are dropped."""
+    renamed = {"pre_feedforward_layernorm.weight": "post_attention_layernorm.weight"}
+    out = {}
+    for name, value in state.items():
+        if name in ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight"):
+            continue
+        name = renamed.get(name, name)
+        out[name] = value + 1 if name.endswith("norm.weight") else value
+    return out
 
 
 @dataclass
@@ -78,6 +92,8 @@ class DSparkDrafter(nn.Module):
         self.confidence_head = None
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(hidden + (rank if config.confidence_head_with_markov else 0))
+        # Block tokens enter as the target embeds them: Gemma scales its embedding by sqrt(d).
+        self.embed_scale = hidden ** 0.5 if target_config.model_type in GEMMA_FAMILIES else None
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
@@ -103,14 +119,17 @@ class DSparkDrafter(nn.Module):
         """Copy the target's top decoder layers (and final norm) into the backbone. Returns the layers used."""
         source = target_model.get_decoder().layers
         first = len(source) - len(self.layers)
+        gemma = self.target_config.model_type in GEMMA_FAMILIES
         for layer, src in zip(self.layers, source[first:]):
+            state = gemma_as_qwen3(src.state_dict()) if gemma else src.state_dict()
             # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
             # its output-projection bias at zero; nothing else may be left out.
-            missing, unexpected = layer.load_state_dict(src.state_dict(), strict=False)
+            missing, unexpected = layer.load_state_dict(state, strict=False)
             if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias")) for k in missing):
                 raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
                                   f"{unexpected}); train with --no-init-target-layers")
-        self.norm.load_state_dict(target_model.get_decoder().norm.state_dict())
+        final = target_model.get_decoder().norm.state_dict()
+        self.norm.load_state_dict(gemma_as_qwen3(final) if gemma else final)
         return list(range(first, len(source)))
 
     # ---- shared pieces --------------------------------------------------------------------------------------
@@ -167,6 +186,8 @@ class DSparkDrafter(nn.Module):
     def backbone(self, block_ids, positions, ctx_kv, mask) -> torch.Tensor:
         """Block token ids [B, Q] at positions [B, Q] -> normed hidden states h [B, Q, d]."""
         x = nn.functional.embedding(block_ids, self.embed_weight).to(self.fc.weight.dtype)
+        if self.embed_scale is not None:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary_emb(x, positions)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer_forward(layer, x, cos, sin, k, v, mask)

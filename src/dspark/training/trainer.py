@@ -72,7 +72,8 @@ class TrainConfig:
     confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
     draft_vocab_size: int = opt(0, "score only the N most frequent answer tokens (0 = the whole vocabulary)")
     feature_norm: bool = opt(False, "RMS-normalise each captured target layer before fc")
-    backbone: str = opt("family", "draft layers: the target's own family, or qwen3 (RMSNorm on q and k; portable)",
+    backbone: str = opt("qwen3", "draft layers: qwen3 (RMSNorm on q and k; portable: exports to llama.cpp, vLLM, "
+                                 "DeepSpec), or the target's own family",
                         choices=BACKBONES)
     target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
     mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
@@ -160,6 +161,7 @@ def resumed_config(out: str | Path, overrides: dict) -> TrainConfig:
         data = json.loads(saved.read_text())["train_config"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DSparkError(f"--resume: {saved} is unreadable ({e}); the checkpoint is damaged") from e
+    data.setdefault("backbone", "family")  # runs saved before the field existed used the target's family
     cfg = TrainConfig.from_dict(data)
     changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
     refused = sorted(k for k in changed if k not in RESUMABLE)

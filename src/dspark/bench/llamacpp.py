@@ -1,0 +1,144 @@
+"""llama.cpp beside our engine on the same prompts (BENCHMARKS.md `llama-cpp`): llama.cpp plain, its n-gram
+speculation, our drafter exported to GGUF at a fixed draft length and truncated at a confidence threshold
+(`--spec-draft-p-min`), and our own engine plain, at a fixed length and with the scheduler.
+
+llama.cpp runs as its own programs (`llama-completion`, `llama-speculative-simple`, built from the llama.cpp tree that
+the llama-cpp-python source package carries; docs/formats.md says how), so what is measured is llama.cpp itself, not
+our bindings. Greedy throughout: every speculative output must equal the plain output of the same runtime."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dspark.errors import DSparkError
+
+TOOLS = ("llama-completion", "llama-speculative-simple")
+
+
+@dataclass
+class LlamaRun:
+    text: str
+    tokens: int
+    seconds: float
+    accepted: int | None = None  # draft tokens accepted (speculative runs)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per target verification: each round commits its accepted drafts and one token of the target."""
+        return None if self.accepted is None else self.tokens / max(1, self.tokens - self.accepted)
+
+
+def check_tools(bin_dir: Path) -> None:
+    missing = [t for t in TOOLS if not (bin_dir / t).is_file()]
+    if missing:
+        raise DSparkError(f"{bin_dir} lacks {', '.join(missing)}; build them from the llama.cpp tree with cmake "
+                          "(docs/formats.md, 'Building llama.cpp') and pass the folder with --llama-bin")
+
+
+def _run(cmd: list[str], timeout: float) -> tuple[str, str]:
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        raise DSparkError(f"{Path(cmd[0]).name} ran past {timeout:.0f} s: {' '.join(cmd[1:6])} ...") from e
+    if done.returncode != 0:
+        tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+        raise DSparkError(f"{Path(cmd[0]).name} failed (exit {done.returncode}):\n{tail}")
+    return done.stdout, done.stderr
+
+
+def _common(target_gguf: Path, prompt: str, max_new_tokens: int, threads: int) -> list[str]:
+    return ["-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads),
+            "-c", "4096", "--seed", "0"]
+
+
+def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int) -> LlamaRun:
+    out, err = _run([str(bin_dir / "llama-completion"), *_common(target_gguf, prompt, max_new_tokens, threads),
+                     "-no-cnv", "--no-display-prompt", "--simple-io"], timeout=600)
+    found = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
+    if not found:
+        raise DSparkError("llama-completion printed no 'eval time' line; is it a llama.cpp build of this version?")
+    ms, runs = float(found.group(1)), int(found.group(2))
+    return LlamaRun(out, runs, ms / 1000)
+
+
+def llama_speculative(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int,
+                      spec_args: list[str]) -> LlamaRun:
+    out, err = _run([str(bin_dir / "llama-speculative-simple"), *_common(target_gguf, prompt, max_new_tokens, threads),
+                     *spec_args], timeout=600)
+    decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err)
+    accepted = re.search(r"n_accept\s*=\s*(\d+)", err)
+    if not decoded or not accepted:
+        raise DSparkError("llama-speculative-simple printed no 'decoded'/'n_accept' lines; is it a build of this version?")
+    text = out.lstrip("\n")
+    text = text[len(prompt):] if text.startswith(prompt) else text  # it echoes the prompt first
+    return LlamaRun(text.rstrip("\n"), int(decoded.group(1)), float(decoded.group(2)), int(accepted.group(1)))
+
+
+def same_text(a: str, b: str) -> bool:
+    """Equal greedy outputs: one is a prefix of the other (speculation may overshoot the token limit by a block)."""
+    a, b = a.strip(), b.strip()
+    return a.startswith(b) or b.startswith(a)
+
+
+def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, target_gguf: Path, bin_dir: Path,
+                        datasets, prompts_per_set: int, max_new_tokens: int, p_min: float, threads: int,
+                        progress=print) -> dict:
+    from dspark.assets import eval_prompts
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.decoding.policy import FixedLength
+    from dspark.scheduling.planner import build_scheduler
+
+    check_tools(bin_dir)
+    out, err = _run([str(bin_dir / "llama-completion"), "--version"], timeout=60)
+    version = next((line.split("version:")[1].strip() for line in (out + err).splitlines() if "version:" in line),
+                   "unknown")
+    gamma = drafter.block_size
+    engines = {"ours dspark": SpeculativeEngine(target, drafter, FixedLength()),
+               "ours dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
+    warm = target.encode_chat("Hi!")
+    for engine in engines.values():
+        engine.generate([warm], 4)
+    llama_methods = {
+        "llama.cpp ngram": ["--spec-type", "ngram-simple"],
+        "llama.cpp dspark": ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
+                             "--spec-draft-p-min", "0"],
+        f"llama.cpp dspark p>={p_min}": ["-md", str(draft_gguf), "--spec-type", "draft-dspark",
+                                         "--spec-draft-n-max", str(gamma), "--spec-draft-p-min", str(p_min)],
+    }
+    rows = []
+    for name in datasets:
+        for i, messages in enumerate(eval_prompts(name, prompts_per_set)):
+            ids = target.encode_chat(messages)
+            prompt = target.tokenizer.decode(ids)
+            row = {"dataset": name, "prompt": i}
+            plain = llama_plain(bin_dir, target_gguf, prompt, max_new_tokens, threads)
+            row["llama.cpp plain"] = {"tok_s": round(plain.tokens_per_s, 2)}
+            for label, args in llama_methods.items():
+                run = llama_speculative(bin_dir, target_gguf, prompt, max_new_tokens, threads, args)
+                row[label] = {"tok_s": round(run.tokens_per_s, 2), "tau": round(run.tau, 3),
+                              "identical": same_text(run.text, plain.text)}
+            start = time.perf_counter()
+            ours = generate_plain(target, [ids], max_new_tokens)[0]
+            row["ours plain"] = {"tok_s": round(ours.tokens_per_s, 2)}
+            for label, engine in engines.items():
+                result = engine.generate([ids], max_new_tokens)[0]
+                row[label] = {"tok_s": round(result.tokens_per_s, 2), "tau": round(result.stats.tau, 3),
+                              "identical": result.token_ids == ours.token_ids}
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            progress(f"{name}[{i}] " + "  ".join(f"{k}: {v['tok_s']}" + (f" τ{v['tau']}" if "tau" in v else "")
+                                                 for k, v in row.items() if isinstance(v, dict)))
+    return {"rows": rows, "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
+            "drafter": str(drafter_path), "draft_gguf": str(draft_gguf),
+            "target_gguf": Path(target_gguf).name, "llama_bin": str(bin_dir), "llama_cpp_version": version, "threads": threads, "p_min": p_min,
+            "max_new_tokens": max_new_tokens, "prompts_per_set": prompts_per_set, "datasets": list(datasets),
+            "gamma": gamma}
