@@ -193,3 +193,32 @@ def test_llama_cpp_loads_the_exported_draft(real_target, real_portable, tmp_path
         assert llama_cpp.llama_model_n_params(model) == written + real_portable.draft_vocab_size
     finally:
         llama_cpp.llama_model_free(model)
+
+
+@pytest.mark.real
+def test_llama_cpp_regenerates_the_targets_answers(real_target, tmp_path):
+    """`regenerate --backend llama-cpp`: the target's GGUF answers in llama.cpp, turn by turn; records say so. llama.cpp
+    computes with the quantized weights (and 8-bit activations), so its greedy answers may part from the float
+    target's at a near-tie, even at the first token; what must hold is that every token it chose is one the float
+    target ranks among its top few there (a wrong prompt, template or tokenizer would break that at once)."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python; see docs/formats.md)")
+    from dspark.models import target_gguf
+    from dspark.training.llama_backend import load_llama
+    from dspark.training.regenerate import regenerate
+
+    records = [{"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+               {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
+                                        {"role": "user", "content": "Name a color."}]}]
+    llm = load_llama(target_gguf("smollm2-135m-instruct"), real_target, threads=2)
+    regenerate(real_target, records, tmp_path / "llama.jsonl", max_new_tokens=12, progress=False, llm=llm)
+    written = {r["id"]: r for r in map(json.loads, open(tmp_path / "llama.jsonl"))}
+    assert all(r["backend"]["name"] == "llama.cpp" for r in written.values())
+    assert [len(written[k]["assistant_token_ids"]) for k in "ab"] == [1, 2]  # one answer per user turn
+    for record in written.values():
+        history = [m for m in record["messages"] if m["role"] != "assistant"][:1]
+        prompt = real_target.encode_chat(history)
+        answer = record["assistant_token_ids"][0]
+        logits = real_target.forward_sequences(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+        ranks = (logits > logits.gather(1, torch.tensor(answer)[:, None])).sum(1)
+        assert ranks.max() < 5, ranks.tolist()

@@ -647,7 +647,15 @@ def cmd_regenerate(args) -> int:
         records = records[: args.limit]
     completed_ids(out)  # an --out that is not regenerate output is refused before the target loads
     target = load_target(args)
-    report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args))
+    llm = None
+    if args.backend == "llama-cpp":
+        import torch
+
+        from dspark.models import target_gguf
+        from dspark.training.llama_backend import load_llama
+
+        llm = load_llama(Path(args.gguf) if args.gguf else target_gguf(args.model), target, torch.get_num_threads())
+    report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args), llm=llm)
     print(json.dumps(report))
     return 0
 
@@ -903,6 +911,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=positive_int, default=384)
     p.add_argument("--batch-size", type=positive_int, default=32)
     p.add_argument("--limit", type=nonnegative_int, default=0, help="only the first N records (0 = all)")
+    p.add_argument("--backend", choices=["dspark", "llama-cpp"], default="dspark",
+                   help="who answers: our engine (batched) or llama.cpp on the target's GGUF (one sequence per "
+                        "process, faster per core; needs llama-cpp-python)")
+    p.add_argument("--gguf", help="--backend llama-cpp: the target's GGUF (default: the known target's own file)")
     p.set_defaults(func=cmd_regenerate)
 
     from dspark.training.trainer import TrainConfig

@@ -60,15 +60,26 @@ def regenerate(
     batch_size: int = 32,
     sampling: SamplingParams = SamplingParams(),
     progress: bool = True,
+    llm=None,
 ) -> dict:
+    """Answer every record not yet in `out_path`, with our engine or, given `llm`, with llama.cpp."""
     out_path = Path(out_path)
     done = completed_ids(out_path)
     todo = [r for r in records if r["id"] not in done]
-    meta = {"sampling": vars(sampling), "max_new_tokens": max_new_tokens, "target": target.identity()}
+    queue = deque()  # (conversation id, prompt ids) of the turns waiting for an answer
+    if llm is None:
+        backend = {"name": "dspark", "dtype": str(target.dtype).removeprefix("torch.")}
+        answers = stream_plain(target, queue, batch_size, max_new_tokens, sampling)
+    else:
+        from dspark.training.llama_backend import backend_identity, stream_llama
+
+        backend = backend_identity(llm)
+        answers = stream_llama(llm, queue, max_new_tokens, sampling, target.stop_token_ids)
+    meta = {"sampling": vars(sampling), "max_new_tokens": max_new_tokens, "target": target.identity(),
+            "backend": backend}
 
     # Each conversation keeps the user/system messages; assistant messages are replaced by the target's answers.
     state = {}
-    queue = deque()
 
     def schedule(rid: str, follow_up: bool = False) -> None:
         """Queue the next user turn of a conversation (its history holds the answers regenerated so far). A follow-up
@@ -92,7 +103,7 @@ def regenerate(
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
     with contextlib.ExitStack() as files:
         f = None  # opened with the first finished record: a run that fails before it leaves no empty file
-        for rid, result in stream_plain(target, queue, batch_size, max_new_tokens, sampling):
+        for rid, result in answers:
             s = state[rid]
             tokens += len(result.token_ids)
             s["messages"].append({"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)})
