@@ -349,3 +349,24 @@ def test_a_base_model_without_chat_template_regenerates_and_trains(tiny_run, tmp
     assert example.input_ids[: len(prompt)] == prompt and example.loss_mask[: len(prompt)] == [0] * len(prompt)
     train(tiny_config(base, data, tmp_path / "run", max_steps=2, holdout=0.0), progress=False)
     assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_bigram_init_puts_the_datas_bigrams_into_the_markov_head(target):
+    """--markov-init bigram: with a rank covering the matrix, W2·W1[prev] is exactly the centred bigram log-probability
+    of the answers, restricted to the draft vocabulary; a bigram counts only inside an answer (as anchors do)."""
+    from conftest import tiny_drafter
+    from dspark.training.data import Example
+    from dspark.training.trainer import init_markov_from_bigrams
+
+    drafter = tiny_drafter(target, markov_rank=8, draft_vocab_size=6)
+    drafter.set_draft_vocab(torch.tensor([10, 11, 12, 13, 14, 15]))
+    # answers: 10 -> 11 three times, 10 -> 12 once, 11 -> 13 twice; 50 -> 10 crosses from the prompt: not counted
+    examples = [Example([50, 10, 11, 13], [0, 1, 1, 1]), Example([50, 10, 11, 13], [0, 1, 1, 1]),
+                Example([50, 10, 11], [0, 1, 1]), Example([50, 10, 12], [0, 1, 1])]
+    kept = init_markov_from_bigrams(drafter, examples, max_rows=2, smoothing=0.5)
+    assert kept == pytest.approx(1.0, abs=1e-4)  # 2 rows, rank 8: nothing is lost
+    bias = drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(torch.tensor([10, 11])))
+    counts = torch.tensor([[0, 3, 1, 0, 0, 0], [0, 0, 0, 2, 0, 0]], dtype=torch.float)
+    logp = (counts + 0.5).log() - (counts.sum(1, keepdim=True) + 3).log()
+    torch.testing.assert_close(bias, logp - logp.mean(1, keepdim=True), atol=1e-4, rtol=1e-4)
+    assert drafter.markov_head.markov_w1.weight[50].abs().sum() == 0  # never a previous answer token: no bias

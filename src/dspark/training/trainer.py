@@ -78,6 +78,8 @@ class TrainConfig:
     target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
     mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
     init_target_layers: bool = opt(True, "start the backbone from the target's top decoder layers")
+    markov_init: str = opt("zero", "start of the Markov head: zero (the pure parallel drafter) or bigram (a low-rank "
+                                   "factorisation of the data's bigram log-probabilities)", choices=("zero", "bigram"))
     init_from: str | None = opt(None, "continue training an existing drafter checkpoint")
     # loss (docs/design.md §3); None = the preset's value
     ce_weight: float | None = opt(None, "weight of the cross-entropy term")
@@ -271,6 +273,42 @@ def draft_vocabulary(examples: list[Example], size: int, vocab_size: int) -> tup
     return top, float(counts[top].sum() / counts.sum().clamp_min(1))
 
 
+def init_markov_from_bigrams(drafter, examples: list[Example], max_rows: int = 8192, smoothing: float = 0.5) -> float:
+    """Start the Markov head at a rank-r factorisation of the bigram log-probabilities of the answers: B(prev) ≈
+    log P(next | prev) − mean over next, for the `max_rows` most frequent previous tokens (the others start at zero).
+    Identical on every DDP rank (same data, deterministic SVD). Returns the share of the centred matrix's energy kept."""
+    head = drafter.markov_head
+    vocab, rank = head.markov_w1.num_embeddings, drafter.config.markov_rank
+    t2d = drafter.t2d()
+    pairs = []
+    for e in examples:
+        ids, mask = torch.tensor(e.input_ids), torch.tensor(e.loss_mask, dtype=torch.bool)
+        inside = mask[:-1] & mask[1:]  # both are answer tokens, as an anchor and its next token are
+        pairs.append(torch.stack([ids[:-1][inside], ids[1:][inside]]))
+    prev, nxt = torch.cat(pairs, dim=1)
+    if t2d is not None:
+        nxt = t2d[nxt]
+        prev, nxt = prev[nxt >= 0], nxt[nxt >= 0]
+    draft = drafter.draft_vocab_size
+    rows = torch.bincount(prev, minlength=vocab).topk(min(max_rows, vocab)).indices
+    row_of = torch.full((vocab,), -1, dtype=torch.long)
+    row_of[rows] = torch.arange(len(rows))
+    keep = row_of[prev] >= 0
+    counts = torch.zeros(len(rows), draft)
+    counts.index_put_((row_of[prev[keep]], nxt[keep]), torch.ones(int(keep.sum())), accumulate=True)
+    logp = (counts + smoothing).log() - (counts.sum(1, keepdim=True) + smoothing * draft).log()
+    centred = logp - logp.mean(1, keepdim=True)
+    u, s, v = torch.svd_lowrank(centred, q=min(rank, *centred.shape), niter=4)
+    pad = rank - len(s)  # a matrix of lower rank than the head: the remaining directions start at zero
+    u, v = torch.nn.functional.pad(u, (0, pad)), torch.nn.functional.pad(v, (0, pad))
+    s = torch.nn.functional.pad(s, (0, pad))
+    with torch.no_grad():
+        head.markov_w1.weight.zero_()
+        head.markov_w1.weight[rows] = (u * s.sqrt()).to(head.markov_w1.weight.dtype)
+        head.markov_w2.weight.copy_(v * s.sqrt())
+    return float(s.pow(2).sum() / centred.pow(2).sum())
+
+
 def anchor_generator(seed: int, epoch: int, batch: int) -> torch.Generator:
     """The anchors of a batch depend only on (seed, epoch, batch index): a resumed run and any number of DDP
     processes draw exactly the anchors a single uninterrupted process would."""
@@ -427,6 +465,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             drafter.set_draft_vocab(d2t)
             if rank == 0:
                 print(f"dspark: draft vocabulary of {cfg.draft_vocab_size} covers {coverage:.1%} of answer tokens")
+        if cfg.markov_init == "bigram" and drafter.markov_head is not None:
+            if drafter.config.markov_head_type != "vanilla":
+                raise DSparkError("--markov-init bigram sets B(prev) = W2·W1[prev], the vanilla head's formula; use "
+                                  "--markov-head-type vanilla or --markov-init zero")
+            explained = init_markov_from_bigrams(drafter, train_set)
+            if rank == 0:
+                print(f"dspark: Markov head starts from the data's bigrams (rank {drafter.config.markov_rank} keeps "
+                      f"{explained:.1%} of their centred log-probabilities)")
     drafter.to(device).train()
 
     source = OnlineFeatures(target, cfg.target_topk)
