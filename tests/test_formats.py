@@ -4,7 +4,6 @@ what a format cannot express is refused by name."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
@@ -149,6 +148,16 @@ def test_gguf_refuses_a_target_gguf_of_another_vocabulary(target, portable, tmp_
         export_foreign(portable, target, tmp_path, "gguf", torch.float32, fake_target_gguf(tmp_path / "t.gguf", 50))
 
 
+def llama_cpp_or_skip():
+    from dspark.llamacpp import import_llama_cpp
+
+    llama_cpp = import_llama_cpp()
+    if llama_cpp is None:
+        pytest.skip("llama-cpp-python is not installed or finds no libllama (pip install llama-cpp-python, or set "
+                    "LLAMA_CPP_LIB_PATH to a llama.cpp build; see docs/formats.md)")
+    return llama_cpp
+
+
 # ---- the real target ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_portable(real_target):
@@ -177,9 +186,7 @@ def test_llama_cpp_loads_the_exported_draft(real_target, real_portable, tmp_path
 
     export_foreign(real_portable, real_target, tmp_path, "gguf", torch.float16, target_gguf("smollm2-135m-instruct"))
     draft = next(tmp_path.glob("*.gguf"))
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python; see docs/formats.md)")
-    import llama_cpp
+    llama_cpp = llama_cpp_or_skip()
 
     llama_cpp.llama_backend_init()
     params = llama_cpp.llama_model_default_params()
@@ -201,8 +208,7 @@ def test_llama_cpp_regenerates_the_targets_answers(real_target, tmp_path):
     computes with the quantized weights (and 8-bit activations), so its greedy answers may part from the float
     target's at a near-tie, even at the first token; what must hold is that every token it chose is one the float
     target ranks among its top few there (a wrong prompt, template or tokenizer would break that at once)."""
-    if importlib.util.find_spec("llama_cpp") is None:
-        pytest.skip("llama-cpp-python is not installed (pip install llama-cpp-python; see docs/formats.md)")
+    llama_cpp_or_skip()
     from dspark.models import target_gguf
     from dspark.training.llama_backend import load_llama
     from dspark.training.regenerate import regenerate

@@ -11,7 +11,6 @@ int8 (weight-only int8 with bfloat16 activations).
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from pathlib import Path
 
@@ -75,26 +74,14 @@ def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> di
 
 
 def llama_cpp_model(model: str, threads: int):
-    """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not installed, or a target
+    """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not usable, or a target
     that ships no GGUF)."""
+    from dspark.llamacpp import import_llama_cpp, load_gguf
     from dspark.models import KNOWN_TARGETS, target_gguf
 
-    if importlib.util.find_spec("llama_cpp") is None or model not in KNOWN_TARGETS:
+    if import_llama_cpp() is None or model not in KNOWN_TARGETS:
         return None
-    import llama_cpp
-
-    # Weight repacking for AMX faults on machines that report AMX but do not grant its tile state; plain kernels.
-    params = llama_cpp.llama_model_default_params
-
-    def no_repack():
-        p = params()
-        p.use_extra_bufts = False
-        return p
-
-    llama_cpp.llama_cpp.llama_model_default_params = no_repack
-    llama_cpp.llama.llama_cpp.llama_model_default_params = no_repack
-    return llama_cpp.Llama(str(target_gguf(model)), n_ctx=2048, n_threads=threads, n_batch=512,
-                           logits_all=True, verbose=False)
+    return load_gguf(target_gguf(model), threads, n_ctx=2048, n_batch=512, logits_all=True)
 
 
 def llama_forward_ms(llm, context_ids: list[int], counts, repeats: int) -> dict:
@@ -129,9 +116,9 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
     progress(f"memory bandwidth {run['bandwidth_gbs']} GB/s")
     llm = llama_cpp_model(model, threads)
     if llm is not None:
-        import llama_cpp
+        from dspark.llamacpp import require_llama_cpp
 
-        run["llama_cpp"] = {"version": llama_cpp.__version__, "file": Path(llm.model_path).name, "threads": threads}
+        run["llama_cpp"] = {"version": require_llama_cpp().__version__, "file": Path(llm.model_path).name, "threads": threads}
     reference = {}  # float32 plain output per dataset: what every precision's plain output is compared with
     for dtype in dtypes:
         quantized = dtype == "int8"  # int8 weights, bfloat16 activations

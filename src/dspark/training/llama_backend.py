@@ -13,37 +13,21 @@ from typing import Iterator
 
 from dspark.decoding.requests import GenerationResult
 from dspark.errors import DSparkError
+from dspark.llamacpp import load_gguf, require_llama_cpp
 from dspark.sampling import SamplingParams
 
 
 def load_llama(gguf: Path, target, threads: int):
     """llama.cpp on the target's GGUF, refused unless it has the target's vocabulary."""
-    try:
-        import llama_cpp
-    except ImportError as e:
-        raise DSparkError("--backend llama-cpp needs llama-cpp-python (pip install llama-cpp-python, or build it "
-                          "from source as docs/formats.md says)") from e
-    if not Path(gguf).is_file():
-        raise DSparkError(f"--gguf {gguf} does not exist; pass the target's GGUF file")
-    params = llama_cpp.llama_model_default_params
-    # Weight repacking for AMX faults on machines that report AMX but do not grant its tile state; plain kernels.
-    llama_cpp.llama.llama_cpp.llama_model_default_params = lambda: _no_repack(params())
-    llm = llama_cpp.Llama(str(gguf), n_ctx=4096, n_threads=threads, n_batch=512, verbose=False)
+    llm = load_gguf(gguf, threads, n_ctx=4096, n_batch=512)
     if llm.n_vocab() != target.vocab_size:
         raise DSparkError(f"{gguf} has a vocabulary of {llm.n_vocab()}, the target {target.vocab_size}: pass the GGUF "
                           "of the same model")
     return llm
 
 
-def _no_repack(p):
-    p.use_extra_bufts = False
-    return p
-
-
 def backend_identity(llm) -> dict:
-    import llama_cpp
-
-    return {"name": "llama.cpp", "gguf": Path(llm.model_path).name, "llama_cpp_python": llama_cpp.__version__}
+    return {"name": "llama.cpp", "gguf": Path(llm.model_path).name, "llama_cpp_python": require_llama_cpp().__version__}
 
 
 def stream_llama(llm, queue: deque, max_new_tokens: int, sampling: SamplingParams,
