@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -174,3 +176,42 @@ class OracleCache:
 
     def merge(self, other):
         self.histories += other.histories
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """Exit code and stderr of `dspark ARGS`; argparse's own refusals exit 2 as well."""
+    from dspark.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def refused(capsys, message, *args):
+    code, err = run_cli(capsys, *args)
+    assert code == 2 and message in err, err
+    assert "Traceback" not in err
+
+
+@pytest.fixture
+def saved_drafter(tmp_path):
+    """A tiny target saved as a real model folder and a drafter checkpoint with its calibration and model card."""
+    target = tiny_target(vocab_size=64, eos=2)
+    folder = tmp_path / "target"
+    target.model.save_pretrained(folder)
+    from tokenizers import Tokenizer, models as tk_models
+    from transformers import PreTrainedTokenizerFast
+
+    tk = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, "t0")),
+                                 eos_token="t2", unk_token="t0")
+    tk.save_pretrained(folder)
+    from dspark.target import Target
+
+    target = Target.load(str(folder))
+    ckpt = tmp_path / "drafter"
+    tiny_drafter(target, mask_token_id=63).save(ckpt, target.identity())
+    (ckpt / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.0] * 5}))
+    (ckpt / "MODEL_CARD.md").write_text("# card\n")
+    return folder, ckpt, target

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import tiny_drafter, tiny_target
+from conftest import refused, run_cli, tiny_drafter, tiny_target
 from dspark.errors import DSparkError
 from dspark.formats import detect, export_foreign, import_foreign
 from dspark.sampling import SamplingParams
@@ -228,3 +228,25 @@ def test_llama_cpp_regenerates_the_targets_answers(real_target, tmp_path):
         logits = real_target.forward_sequences(torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
         ranks = (logits > logits.gather(1, torch.tensor(answer)[:, None])).sum(1)
         assert ranks.max() < 5, ranks.tolist()
+
+
+# ---- the command line ---------------------------------------------------------------------------------------------
+
+
+def test_export_and_import_through_the_command_line(saved_drafter, tmp_path, capsys):
+    """`dspark export --format speculators` then `dspark import` gives back a dspark checkpoint that every command
+    loads, with the same weights; a folder of no known format and an existing output are refused by name."""
+    from dspark.drafter import load_drafter
+
+    folder, ckpt, target = saved_drafter
+    code, err = run_cli(capsys, "export", ckpt, tmp_path / "spec", "--model", folder, "--format", "speculators")
+    assert code == 0, err
+    assert (tmp_path / "spec" / "MODEL_CARD.md").is_file() and not (tmp_path / "spec" / "calibration.json").exists()
+    code, err = run_cli(capsys, "import", tmp_path / "spec", tmp_path / "back", "--model", folder)
+    assert code == 0 and "run `dspark calibrate`" in err, err
+    original, back = load_drafter(ckpt, target), load_drafter(tmp_path / "back", target)
+    assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
+    refused(capsys, "neither a speculators DSpark folder", "import", ckpt, tmp_path / "other", "--model", folder)
+    refused(capsys, "--overwrite", "import", tmp_path / "spec", tmp_path / "back", "--model", folder)
+    refused(capsys, "does not exist", "export", ckpt, tmp_path / "g", "--model", folder, "--format", "gguf",
+            "--target-gguf", tmp_path / "missing.gguf")
