@@ -420,6 +420,16 @@ def publish(run: dict, out: Path, name: str, plot, section, markdown: str) -> No
     print(f"dspark: wrote {out / (name + '.json')}, {png} and section '{name}' of {path}", file=sys.stderr)
 
 
+def gguf_arg(given: str | None, model: str) -> Path:
+    """The target's GGUF: the given file, else the one a known target's package carries."""
+    from dspark.models import target_gguf
+
+    path = Path(given) if given else target_gguf(model)
+    if not path.is_file():
+        raise DSparkError(f"{path} does not exist; pass the GGUF file of the target model")
+    return path
+
+
 def cmd_bench_llama_cpp(args) -> int:
     import torch
 
@@ -428,11 +438,10 @@ def cmd_bench_llama_cpp(args) -> int:
     from dspark.bench.report import llama_cpp_plot, llama_cpp_section
     from dspark.drafter import load_drafter
     from dspark.formats import export_foreign
-    from dspark.models import target_gguf as known_gguf
 
     drafter_path = Path(args.drafter or shipped_drafter(args.model))
     out = check_bench_args(args, [drafter_path])
-    target_gguf = Path(args.target_gguf) if args.target_gguf else known_gguf(args.model)
+    target_gguf = gguf_arg(args.target_gguf, args.model)
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
     draft_dir = out / "llama-cpp-draft"
@@ -498,11 +507,7 @@ def cmd_export(args) -> int:
     dtype = parse_dtype(args.dtype)
     target_gguf = None
     if args.format == "gguf":
-        from dspark.models import target_gguf as known_gguf
-
-        target_gguf = Path(args.target_gguf) if args.target_gguf else known_gguf(args.model)
-        if not target_gguf.is_file():
-            raise DSparkError(f"--target-gguf {target_gguf} does not exist; pass the GGUF file of the target model")
+        target_gguf = gguf_arg(args.target_gguf, args.model)
     with atomic_dir(out) as tmp:
         if args.format == "dspark":
             extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
@@ -651,10 +656,9 @@ def cmd_regenerate(args) -> int:
     if args.backend == "llama-cpp":
         import torch
 
-        from dspark.models import target_gguf
         from dspark.training.llama_backend import load_llama
 
-        llm = load_llama(Path(args.gguf) if args.gguf else target_gguf(args.model), target, torch.get_num_threads())
+        llm = load_llama(gguf_arg(args.gguf, args.model), target, torch.get_num_threads())
     report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args), llm=llm)
     print(json.dumps(report))
     return 0

@@ -81,17 +81,22 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
         if saved is not None and json.loads(saved) != getattr(config, field):
             raise DSparkError(f"{path}: config.json says {field}={getattr(config, field)!r} but the weights were "
                               f"saved with {field}={json.loads(saved)!r}; restore the config.json that came with them")
+    load_checked_state(drafter, state, f"{path}: model.safetensors")
+    return drafter.to(target.dtype)
+
+
+def load_checked_state(drafter, state: dict, where: str) -> None:
+    """Load weights that must match the drafter's config tensor for tensor, naming what does not."""
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     wrong = [f"{k} {tuple(state[k].shape)} (config wants {tuple(expected[k].shape)})"
              for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
     if missing or unexpected or wrong:
-        raise DSparkError(f"{path}: model.safetensors does not match config.json (missing {missing[:4]}, unexpected "
+        raise DSparkError(f"{where} does not match config.json (missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]}, wrong shapes {wrong[:4]}); the config was edited or the files come "
                           "from different checkpoints")
-    drafter.load_state_dict(state)
-    return drafter.to(target.dtype)
+    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
 
 
 NGRAM_PREFIX = "ngram:"  # --drafter ngram:DATA builds the n-gram proposer from regenerated data

@@ -22,20 +22,13 @@ def export_foreign(drafter, target, out: Path, fmt: str, dtype, target_gguf: Pat
 
 def import_foreign(path: Path, target):
     """A DSparkDrafter for `target` from a speculators or DeepSpec folder (weights checked against the config)."""
-    from dspark.drafter.registry import drafter_class
-    from dspark.errors import DSparkError
+    from dspark.drafter.registry import drafter_class, load_checked_state
     from dspark.formats.hf import read_foreign
 
     config, state = read_foreign(Path(path), target)
     drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight,
                                                  target.lm_head.weight)
-    expected = drafter.state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in set(state) & set(expected) if state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise DSparkError(f"{path}: the weights do not match its config.json (missing {missing[:4]}, unexpected "
-                          f"{unexpected[:4]}, wrong shapes {sorted(wrong)[:4]})")
-    drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
+    load_checked_state(drafter, state, f"{path}: the weights")
     return drafter.to(target.dtype).eval()
 
 

@@ -142,16 +142,15 @@ def read_foreign(path: Path, target) -> tuple[DSparkConfig, dict[str, torch.Tens
                                   "DFlash); dspark drafters predict from the anchor slot, so this drafter cannot run here")
             layer_ids = [i - 1 for i in meta["aux_hidden_state_layer_ids"]]
             draft_vocab = int(meta.get("draft_vocab_size") or vocab)
-            fields = {k: meta[k] for k in SHARED_FIELDS if k in meta}
         else:
             layers = meta
             layer_ids = list(meta["target_layer_ids"])
             draft_vocab = vocab
-            fields = {k: meta[k] for k in SHARED_FIELDS if k in meta}
         num_layers = int(layers["num_hidden_layers"])
     except KeyError as e:
         raise DSparkError(f"{where} lacks the field {e}; it is not a complete {fmt} DSpark config") from e
     check_layer_config(layers, target.config, where)
+    fields = {k: meta[k] for k in SHARED_FIELDS if k in meta}
     config = DSparkConfig(backbone="qwen3", num_draft_layers=num_layers, target_layer_ids=layer_ids,
                           draft_vocab_size=0 if draft_vocab == vocab else draft_vocab, **fields)
     config.validate(target.config.num_hidden_layers, vocab)
