@@ -103,3 +103,54 @@ def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
     assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in proc.stdout
     proc = subprocess.run(cmd + ["--reference", "zzz"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--reference 'zzz' is not one of the --run labels" in proc.stderr
+
+
+FAKE_LLAMA = """#!{python}
+# Stands in for llama.cpp's programs: prints what they print, so the benchmark's parsing and checks are tested.
+import sys
+args = sys.argv[1:]
+if "--version" in args:
+    sys.exit(print("version: 1 (fake)", file=sys.stderr))
+prompt = args[args.index("-p") + 1]
+if sys.argv[0].endswith("llama-completion"):
+    print("hello world [end of text]")
+    print("common_perf_print:        eval time =     100.00 ms /    10 runs", file=sys.stderr)
+else:
+    p_min = args[args.index("--spec-draft-p-min") + 1] if "--spec-draft-p-min" in args else None
+    print(prompt + ("hello there" if p_min == "0.5" else "hello world"))
+    print("decoded   10 tokens in   0.250 seconds", file=sys.stderr)
+    print("n_accept  = " + ("0" if p_min is None else "5"), file=sys.stderr)
+"""
+
+
+def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp_path):
+    from dspark.bench.llamacpp import run_llama_cpp_bench
+    from dspark.bench.report import llama_cpp_plot, llama_cpp_section
+    from dspark.drafter import load_drafter
+
+    _, tmp = bench_run
+    for tool in ("llama-completion", "llama-speculative-simple"):
+        (tmp_path / tool).write_text(FAKE_LLAMA.format(python=sys.executable))
+        (tmp_path / tool).chmod(0o755)
+    target = Target.load(json.loads((tmp / "drafter" / "config.json").read_text())["target"]["name_or_path"])
+    drafter = load_drafter(tmp / "drafter", target)
+    evalset = tmp / "evalset.jsonl"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DSPARK_CACHE", str(tmp / "cache"))
+        run = run_llama_cpp_bench(target, drafter, tmp / "drafter", tmp_path / "draft.gguf",
+                                  {"Q4_1": tmp_path / "t.gguf", "float32": tmp_path / "t.f32.gguf"}, tmp_path,
+                                  [str(evalset)], 2, 8, 0.5, 1, progress=lambda _: None)
+    row = run["rows"][0]["runtimes"]
+    assert list(row) == ["ours float32", "llama.cpp Q4_1", "llama.cpp float32"]
+    llama = row["llama.cpp Q4_1"]
+    assert llama["plain"]["tok_s"] == 100.0 and not llama["plain"]["same_as_ours"]  # the fake says "hello world"
+    assert llama["ngram"] == {"tok_s": 40.0, "tau": 1.0, "identical": True}
+    assert llama["dspark"] == {"tok_s": 40.0, "tau": 2.0, "identical": True}  # 10 tokens, 5 drafts accepted
+    assert llama["dspark p>=0.5"]["identical"] is False  # "hello there" is not the plain output
+    assert all(row["ours float32"][m]["identical"] for m in ("dspark", "dspark+sched"))
+
+    run.update(machine={"cpu": "fake", "cores": 1, "torch_threads": 1}, when="now")
+    text = llama_cpp_section(run, "dspark bench-llama-cpp", "llama-cpp.png")
+    assert "| **all** | 100.00 | 40.00 (τ 1.00) | 40.00 (τ 2.00) | 40.00 (τ 2.00) | 0.40x |" in text
+    assert "llama.cpp Q4_1 dspark p>=0.5: NO" in text and "llama.cpp float32: 0 of 2 prompts" in text
+    assert llama_cpp_plot(run, tmp_path / "llama-cpp.png").stat().st_size > 0

@@ -203,6 +203,30 @@ def test_llama_cpp_loads_the_exported_draft(real_target, real_portable, tmp_path
 
 
 @pytest.mark.real
+def test_float32_gguf_holds_the_weights_our_float32_target_runs(real_target, tmp_path):
+    """The benchmark's float32 copy of the target's GGUF: same keys and tokenizer, every tensor dequantized to
+    exactly the values transformers loads into our float32 target (so llama.cpp on it does our arithmetic)."""
+    from gguf import GGUFReader
+
+    from dspark.formats.gguf import float32_gguf, gguf_weights
+    from dspark.models import target_gguf
+
+    source = target_gguf("smollm2-135m-instruct")
+    copy = float32_gguf(source, tmp_path / "t.f32.gguf")
+    assert gguf_weights(source) == "Q4_1" and gguf_weights(copy) == "F32"
+    before, after = GGUFReader(str(source)), GGUFReader(str(copy))
+    assert {t.name for t in before.tensors} == {t.name for t in after.tensors}
+    assert all(t.tensor_type.name == "F32" for t in after.tensors)
+    assert after.fields["tokenizer.ggml.tokens"].contents() == before.fields["tokenizer.ggml.tokens"].contents()
+    assert after.fields["llama.block_count"].contents() == 30
+    tensors = {t.name: torch.from_numpy(np.asarray(t.data)) for t in after.tensors}
+    weights = real_target.model.state_dict()
+    assert torch.equal(tensors["blk.3.ffn_down.weight"], weights["model.layers.3.mlp.down_proj.weight"])  # Q4_1
+    assert torch.equal(tensors["token_embd.weight"], weights["model.embed_tokens.weight"])  # Q8_0
+    assert not (tmp_path / "t.f32.gguf.partial").exists()
+
+
+@pytest.mark.real
 def test_llama_cpp_regenerates_the_targets_answers(real_target, tmp_path):
     """`regenerate --backend llama-cpp`: the target's GGUF answers in llama.cpp, turn by turn; records say so. llama.cpp
     computes with the quantized weights (and 8-bit activations), so its greedy answers may part from the float

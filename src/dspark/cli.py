@@ -82,6 +82,10 @@ def int_list(text: str) -> list[int]:
     return [_int(x) for x in text.split(",")]
 
 
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -438,6 +442,7 @@ def cmd_bench_llama_cpp(args) -> int:
     from dspark.bench.report import llama_cpp_plot, llama_cpp_section
     from dspark.drafter import load_drafter
     from dspark.formats import export_foreign
+    from dspark.formats.gguf import float32_gguf, gguf_weights
 
     drafter_path = Path(args.drafter or shipped_drafter(args.model))
     out = check_bench_args(args, [drafter_path])
@@ -449,7 +454,12 @@ def cmd_bench_llama_cpp(args) -> int:
     for stale in draft_dir.glob("*.gguf"):
         stale.unlink()
     export_foreign(drafter, target, draft_dir, "gguf", torch.float32, target_gguf)
-    run = run_llama_cpp_bench(target, drafter, drafter_path, next(draft_dir.glob("*.gguf")), target_gguf,
+    targets = {}
+    if args.llama_weights in ("as-shipped", "both"):
+        targets[gguf_weights(target_gguf)] = target_gguf
+    if args.llama_weights in ("float32", "both"):
+        targets["float32"] = float32_gguf(target_gguf, draft_dir / f"{target_gguf.stem}.f32.gguf")
+    run = run_llama_cpp_bench(target, drafter, drafter_path, next(draft_dir.glob("*-dspark-draft.gguf")), targets,
                               Path(args.llama_bin), args.datasets, args.prompts_per_set, args.max_new_tokens,
                               args.p_min, torch.get_num_threads(),
                               progress=lambda line: print(line, file=sys.stderr))
@@ -722,7 +732,7 @@ def add_config_flags(p: argparse.ArgumentParser, config_cls, skip=()) -> None:
     in the dataclass. Every flag defaults to None so that only what the user typed overrides the config."""
     import dataclasses
 
-    types = {"int": int, "float": finite_float, "str": str, "list[int]": int_list}
+    types = {"int": int, "float": finite_float, "str": str, "list[int]": int_list, "list[str]": str_list}
     for f in dataclasses.fields(config_cls):
         if f.name in skip:
             continue
@@ -822,6 +832,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts-per-set", type=positive_int, default=2)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--p-min", type=float, default=0.5, help="llama.cpp's --spec-draft-p-min for the threshold row")
+    p.add_argument("--llama-weights", choices=["as-shipped", "float32", "both"], default="both",
+                   help="llama.cpp runs the target's GGUF as shipped (quantized: what users run), a float32 copy "
+                        "of it (our arithmetic: outputs and acceptance comparable with ours), or both")
     p.add_argument("--out", default="bench")
     p.add_argument("--markdown", default="BENCHMARKS.md")
     p.set_defaults(func=cmd_bench_llama_cpp)
@@ -926,7 +939,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="train a drafter for a target (alone or under torchrun)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, metrics.jsonl")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run in --out exactly where it stopped (only how long it runs may change)")
+                   help="continue the run in --out exactly where it stopped; only how long it runs may change, and --data "
+                        "may name a file that appends records to what the run saw (they join from the next epoch)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--threads", type=threads, default=0)
     add_config_flags(p, TrainConfig, skip=("out",))

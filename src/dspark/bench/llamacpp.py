@@ -4,7 +4,11 @@ speculation, our drafter exported to GGUF at a fixed draft length and truncated 
 
 llama.cpp runs as its own programs (`llama-completion`, `llama-speculative-simple`, built from the llama.cpp tree that
 the llama-cpp-python source package carries; docs/formats.md says how), so what is measured is llama.cpp itself, not
-our bindings. Greedy throughout: every speculative output must equal the plain output of the same runtime."""
+our bindings. Greedy throughout: every speculative output must equal the plain output of the same runtime.
+
+llama.cpp runs each method on two copies of the target: the GGUF as shipped (quantized, what users run) and a float32
+copy of it, which does our float32 arithmetic, so there its plain output must equal ours and its acceptance of our
+draft must match the acceptance our engine measures."""
 
 from __future__ import annotations
 
@@ -66,7 +70,7 @@ def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: i
     if not found:
         raise DSparkError("llama-completion printed no 'eval time' line; is it a llama.cpp build of this version?")
     ms, runs = float(found.group(1)), int(found.group(2))
-    return LlamaRun(out, runs, ms / 1000)
+    return LlamaRun(out.rstrip().removesuffix("[end of text]"), runs, ms / 1000)
 
 
 def llama_speculative(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int,
@@ -88,9 +92,13 @@ def same_text(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, target_gguf: Path, bin_dir: Path,
-                        datasets, prompts_per_set: int, max_new_tokens: int, p_min: float, threads: int,
+def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, target_ggufs: dict[str, Path],
+                        bin_dir: Path, datasets, prompts_per_set: int, max_new_tokens: int, p_min: float, threads: int,
                         progress=print) -> dict:
+    """Each prompt through llama.cpp (per weights in `target_ggufs`: plain, n-gram, our draft at a fixed length and
+    at a confidence threshold) and through our engine (plain, fixed length, scheduler). Row: runtime -> method ->
+    {tok_s, tau, identical}; `identical` compares with the same runtime's plain output, and llama.cpp's plain output
+    on float32 weights is compared with ours (`same_as_ours`)."""
     from dspark.assets import eval_prompts
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
@@ -102,43 +110,44 @@ def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, t
     version = next((line.split("version:")[1].strip() for line in (out + err).splitlines() if "version:" in line),
                    "unknown")
     gamma = drafter.block_size
-    engines = {"ours dspark": SpeculativeEngine(target, drafter, FixedLength()),
-               "ours dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
+    engines = {"dspark": SpeculativeEngine(target, drafter, FixedLength()),
+               "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
     warm = target.encode_chat("Hi!")
     for engine in engines.values():
         engine.generate([warm], 4)
-    llama_methods = {
-        "llama.cpp ngram": ["--spec-type", "ngram-simple"],
-        "llama.cpp dspark": ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma),
-                             "--spec-draft-p-min", "0"],
-        f"llama.cpp dspark p>={p_min}": ["-md", str(draft_gguf), "--spec-type", "draft-dspark",
-                                         "--spec-draft-n-max", str(gamma), "--spec-draft-p-min", str(p_min)],
-    }
+    draft = ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma)]
+    llama_methods = {"ngram": ["--spec-type", "ngram-simple"],
+                     "dspark": [*draft, "--spec-draft-p-min", "0"],
+                     f"dspark p>={p_min}": [*draft, "--spec-draft-p-min", str(p_min)]}
+    ours_name = f"ours {str(target.dtype).removeprefix('torch.')}"
     rows = []
     for name in datasets:
         for i, messages in enumerate(eval_prompts(name, prompts_per_set)):
             ids = target.encode_chat(messages)
             prompt = target.tokenizer.decode(ids)
-            row = {"dataset": name, "prompt": i}
-            plain = llama_plain(bin_dir, target_gguf, prompt, max_new_tokens, threads)
-            row["llama.cpp plain"] = {"tok_s": round(plain.tokens_per_s, 2)}
-            for label, args in llama_methods.items():
-                run = llama_speculative(bin_dir, target_gguf, prompt, max_new_tokens, threads, args)
-                row[label] = {"tok_s": round(run.tokens_per_s, 2), "tau": round(run.tau, 3),
-                              "identical": same_text(run.text, plain.text)}
             start = time.perf_counter()
             ours = generate_plain(target, [ids], max_new_tokens)[0]
-            row["ours plain"] = {"tok_s": round(ours.tokens_per_s, 2)}
+            ours_text = target.tokenizer.decode(ours.token_ids, skip_special_tokens=True)
+            runtimes = {ours_name: {"plain": {"tok_s": round(ours.tokens_per_s, 2)}}}
             for label, engine in engines.items():
                 result = engine.generate([ids], max_new_tokens)[0]
-                row[label] = {"tok_s": round(result.tokens_per_s, 2), "tau": round(result.stats.tau, 3),
-                              "identical": result.token_ids == ours.token_ids}
-            row["seconds"] = round(time.perf_counter() - start, 1)
-            rows.append(row)
-            progress(f"{name}[{i}] " + "  ".join(f"{k}: {v['tok_s']}" + (f" τ{v['tau']}" if "tau" in v else "")
-                                                 for k, v in row.items() if isinstance(v, dict)))
+                runtimes[ours_name][label] = {"tok_s": round(result.tokens_per_s, 2), "tau": round(result.stats.tau, 3),
+                                              "identical": result.token_ids == ours.token_ids}
+            for weights, target_gguf in target_ggufs.items():
+                plain = llama_plain(bin_dir, target_gguf, prompt, max_new_tokens, threads)
+                methods = {"plain": {"tok_s": round(plain.tokens_per_s, 2),
+                                     "same_as_ours": same_text(plain.text, ours_text)}}
+                for label, args in llama_methods.items():
+                    run = llama_speculative(bin_dir, target_gguf, prompt, max_new_tokens, threads, args)
+                    methods[label] = {"tok_s": round(run.tokens_per_s, 2), "tau": round(run.tau, 3),
+                                      "identical": same_text(run.text, plain.text)}
+                runtimes[f"llama.cpp {weights}"] = methods
+            rows.append({"dataset": name, "prompt": i, "runtimes": runtimes,
+                         "seconds": round(time.perf_counter() - start, 1)})
+            progress(f"{name}[{i}] " + "  ".join(f"{r} {m}: {v['tok_s']}" + (f" τ{v['tau']}" if "tau" in v else "")
+                                                 for r, ms in runtimes.items() for m, v in ms.items()))
     return {"rows": rows, "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
             "drafter": str(drafter_path), "draft_gguf": str(draft_gguf),
-            "target_gguf": Path(target_gguf).name, "llama_bin": str(bin_dir), "llama_cpp_version": version, "threads": threads, "p_min": p_min,
-            "max_new_tokens": max_new_tokens, "prompts_per_set": prompts_per_set, "datasets": list(datasets),
-            "gamma": gamma}
+            "target_ggufs": {w: Path(p).name for w, p in target_ggufs.items()}, "llama_bin": str(bin_dir),
+            "llama_cpp_version": version, "threads": threads, "p_min": p_min, "max_new_tokens": max_new_tokens,
+            "prompts_per_set": prompts_per_set, "datasets": list(datasets), "gamma": gamma}

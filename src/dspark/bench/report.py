@@ -375,34 +375,52 @@ def serve_plot(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
-LLAMA_COLUMNS = ("llama.cpp plain", "llama.cpp ngram", "llama.cpp dspark", "ours plain", "ours dspark", "ours dspark+sched")
+def _llama_cells(run: dict, dataset: str | None, runtime: str, method: str) -> tuple[float | None, float | None]:
+    """Mean tokens/s and τ of one runtime's method on one set (all sets when `dataset` is None)."""
+    cells = [r["runtimes"][runtime][method] for r in run["rows"] if dataset in (None, r["dataset"])]
+    return _mean([c["tok_s"] for c in cells]), _mean([c.get("tau") for c in cells])
 
 
 def llama_cpp_section(run: dict, command: str, plot: str) -> str:
-    """The `llama-cpp` section: tokens/s and τ of llama.cpp and our engine, per evaluation set, with output identity."""
+    """The `llama-cpp` section: per runtime (llama.cpp on each weights, our engine) tokens/s and τ per evaluation set,
+    our draft's acceptance in both runtimes side by side, and output identity."""
     m, rows = run["machine"], run["rows"]
-    threshold = f"llama.cpp dspark p>={run['p_min']}"
-    columns = [*LLAMA_COLUMNS[:3], threshold, *LLAMA_COLUMNS[3:]]
+    runtimes = list(rows[0]["runtimes"])
+    llama = [r for r in runtimes if r.startswith("llama.cpp")]
+    weights = ", ".join(f"{w}: `{f}`" for w, f in run["target_ggufs"].items())
     out = ["## llama-cpp", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
            f"Machine: {m['cpu']}, {m['cores']} cores, {run['threads']} threads for llama.cpp, torch threads "
-           f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on "
-           f"`{run['target_gguf']}`, with our drafter exported by `dspark export --format gguf` "
-           f"(`--spec-type draft-dspark --spec-draft-n-max {run['gamma']}`, fixed length: `--spec-draft-p-min 0`); "
-           f"n-gram: `--spec-type ngram-simple`. Ours: {run['model']} in {run['dtype']}, drafter {run['drafter']}. "
-           f"Greedy, up to {run['max_new_tokens']} new tokens, {run['prompts_per_set']} prompt(s) per set.", "",
-           "Tokens/s (τ = tokens per target verification):", "",
-           "| set | " + " | ".join(columns) + " |", "| --- " * (len(columns) + 1) + "|"]
-    for name in run["datasets"]:
-        subset = [r for r in rows if r["dataset"] == name]
-        cells = []
-        for c in columns:
-            speed = _mean([r[c]["tok_s"] for r in subset])
-            tau = _mean([r[c]["tau"] for r in subset if "tau" in r[c]])
-            cells.append(_fmt(speed) + (f" (τ {_fmt(tau)})" if tau is not None else ""))
-        out.append(f"| {name} | " + " | ".join(cells) + " |")
-    same = {c: all(r[c]["identical"] for r in rows) for c in columns if "identical" in rows[0][c]}
+           f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on the target's "
+           f"GGUF ({weights}; the float32 copy is the shipped file dequantized, the weights our float32 target uses), "
+           f"with our drafter exported by `dspark export --format gguf` (`--spec-type draft-dspark "
+           f"--spec-draft-n-max {run['gamma']}`; fixed length: `--spec-draft-p-min 0`); n-gram: `--spec-type "
+           f"ngram-simple`. Ours: {run['model']} in {run['dtype']}, drafter {run['drafter']}. Greedy, up to "
+           f"{run['max_new_tokens']} new tokens, {run['prompts_per_set']} prompt(s) per set.", ""]
+    for runtime in runtimes:
+        methods = list(rows[0]["runtimes"][runtime])
+        out += [f"{runtime}: tokens/s (τ = tokens per target verification)", "",
+                "| set | " + " | ".join(methods) + " | best speculative / plain |", "| --- " * (len(methods) + 2) + "|"]
+        for name in [*run["datasets"], None]:
+            cells = [_llama_cells(run, name, runtime, method) for method in methods]
+            best = max(speed for speed, _ in cells[1:]) / cells[0][0]
+            out.append(f"| {name or '**all**'} | " + " | ".join(
+                _fmt(speed) + (f" (τ {_fmt(tau)})" if tau is not None else "") for speed, tau in cells)
+                + f" | {_fmt(best)}x |")
+        out.append("")
+    ours = next(r for r in runtimes if r.startswith("ours"))
+    out += ["Our drafter at a fixed draft length, τ in each runtime (the float32 llama.cpp run verifies with our "
+            "arithmetic, so its τ should match ours up to ties):", "",
+            "| set | " + " | ".join([ours, *llama]) + " |", "| --- " * (len(llama) + 2) + "|"]
+    for name in [*run["datasets"], None]:
+        out.append(f"| {name or '**all**'} | " + " | ".join(_fmt(_llama_cells(run, name, r, "dspark")[1])
+                                                          for r in [ours, *llama]) + " |")
+    same = {f"{r} {m}": all(row["runtimes"][r][m]["identical"] for row in rows)
+            for r in runtimes for m in rows[0]["runtimes"][r] if "identical" in rows[0]["runtimes"][r][m]}
+    agree = {r: sum(row["runtimes"][r]["plain"]["same_as_ours"] for row in rows) for r in llama}
     out += ["", "Greedy output identical to the same runtime's plain decoding on every prompt: "
-            + ", ".join(f"{c}: {'yes' if ok else 'NO'}" for c, ok in same.items()) + ".", "",
+            + ", ".join(f"{c}: {'yes' if ok else 'NO'}" for c, ok in same.items()) + ".",
+            "llama.cpp's plain output equal to ours: " + ", ".join(f"{r}: {n} of {len(rows)} prompts"
+                                                                     for r, n in agree.items()) + ".", "",
             f"![tokens/s per method]({plot})", ""]
     return "\n".join(out)
 
@@ -413,14 +431,16 @@ def llama_cpp_plot(run: dict, path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = run["rows"]
-    columns = [c for c in rows[0] if isinstance(rows[0][c], dict)]
-    fig, ax = plt.subplots(figsize=(9, 4))
-    width = 0.8 / len(columns)
-    for i, c in enumerate(columns):
-        speeds = [_mean([r[c]["tok_s"] for r in rows if r["dataset"] == name]) for name in run["datasets"]]
-        ax.bar([x + i * width for x in range(len(run["datasets"]))], speeds, width, label=c)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(run["datasets"]))], run["datasets"])
-    ax.set_ylabel("tokens/s")
-    ax.legend(fontsize=7, ncol=2)
+    runtimes = list(run["rows"][0]["runtimes"])
+    fig, axes = plt.subplots(1, len(runtimes), figsize=(4 * len(runtimes), 3.6), sharey=True, squeeze=False)
+    for ax, runtime in zip(axes[0], runtimes):
+        methods = list(run["rows"][0]["runtimes"][runtime])
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            speeds = [_llama_cells(run, name, runtime, method)[0] for name in run["datasets"]]
+            ax.bar([x + i * width for x in range(len(run["datasets"]))], speeds, width, label=method)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(run["datasets"]))], run["datasets"], fontsize=7)
+        ax.set_title(runtime, fontsize=9)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("tokens/s")
     return _save(fig, path)

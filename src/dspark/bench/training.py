@@ -36,7 +36,7 @@ def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: i
     for name, overrides in levers.items():
         settings = dict(base, **{k: v for k, v in overrides.items() if k != "feature_cache"})
         cfg = TrainConfig(data=data, out=workdir, model=model, batch_size=batch_size, **settings)
-        train_set, _ = load_examples(target, data, cfg.max_length, holdout=0.0)
+        train_set, _, _ = load_examples(target, data, cfg.max_length, holdout=0.0)
         batches = [train_set[i * batch_size : (i + 1) * batch_size] for i in range(steps + 1)]
         used = [e for b in batches for e in b]
         drafter = new_drafter(target, cfg.drafter_config()).float()

@@ -87,29 +87,70 @@ def _array(tensor: torch.Tensor, dtype: torch.dtype):
     return tensor.to(dtype).numpy().astype(NUMPY_DTYPES[dtype]), None
 
 
-def copy_tokenizer(reader, writer) -> None:
-    """Every tokenizer.* key of the target's GGUF, with its exact type."""
+def copy_fields(reader, writer, keep) -> None:
+    """Every key of the GGUF read whose name `keep` accepts, with its exact type."""
     from gguf import GGUFValueType
 
     for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
+        if not keep(name):
             continue
         kind = field.types[0]
         sub = field.types[1] if kind == GGUFValueType.ARRAY else None
         writer.add_key_value(name, field.contents(), kind, sub_type=sub)
 
 
+def read_gguf(path: Path):
+    from gguf import GGUFReader
+
+    try:
+        return GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors on files that are not GGUF
+        raise DSparkError(f"{path} is not a readable GGUF file ({e}); pass the target's own GGUF") from e
+
+
+def gguf_weights(path: Path) -> str:
+    """The weight type a GGUF file declares (general.file_type), e.g. 'Q4_1'."""
+    from gguf import LlamaFileType
+
+    field = read_gguf(path).fields.get("general.file_type")
+    if field is None:
+        return "as shipped"
+    return LlamaFileType(int(field.contents())).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+
+
+def float32_gguf(source: Path, path: Path) -> Path:
+    """`source` with every tensor dequantized to float32, written atomically to `path`.
+
+    Our float32 target is dequantized by transformers from the same file, so llama.cpp running this copy does our
+    arithmetic: its greedy output and its acceptance of a draft can be compared with ours token for token."""
+    from gguf import GGUFWriter, LlamaFileType
+    from gguf.quants import dequantize
+
+    reader = read_gguf(source)
+    arch = reader.fields["general.architecture"].contents()
+    partial = path.with_name(path.name + ".partial")
+    writer = GGUFWriter(str(partial), arch)
+    copy_fields(reader, writer, lambda name: not name.startswith("GGUF.") and name not in (
+        "general.architecture", "general.file_type", "general.quantization_version"))
+    writer.add_file_type(LlamaFileType.ALL_F32)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    partial.replace(path)
+    return path
+
+
 def export_gguf(drafter, target, out: Path, dtype: torch.dtype, target_gguf: Path) -> Path:
     """Write `out/<name>.gguf`; returns its path."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter
 
     check_gguf_portable(drafter, target)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise DSparkError(f"--format gguf writes float32, float16 or bfloat16 weights, not {dtype}")
-    try:
-        reader = GGUFReader(str(target_gguf))
-    except Exception as e:  # gguf raises ValueError/struct errors on files that are not GGUF
-        raise DSparkError(f"{target_gguf} is not a readable GGUF file ({e}); pass the target's own GGUF") from e
+    reader = read_gguf(target_gguf)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens.data) != target.vocab_size:
         have = "no vocabulary" if tokens is None else f"{len(tokens.data)} tokens"
@@ -137,7 +178,7 @@ def export_gguf(drafter, target, out: Path, dtype: torch.dtype, target_gguf: Pat
     writer.add_array(f"{ARCH}.target_layers", [i + 1 for i in config.target_layer_ids])  # hidden-state indices
     writer.add_bool(f"{ARCH}.sample_from_anchor", True)
     writer.add_bool(f"{ARCH}.has_confidence_head", config.enable_confidence_head)
-    copy_tokenizer(reader, writer)
+    copy_fields(reader, writer, lambda name: name.startswith("tokenizer."))  # llama.cpp checks the vocabularies match
     writer.add_uint32("tokenizer.ggml.mask_token_id", config.mask_token_id)
 
     for name, tensor in drafter.state_dict().items():

@@ -75,35 +75,62 @@ class OnlineFeatures:
         return TargetBatch(ids, mask, out.features, q_at)
 
 
-class CachedFeatures:
-    """Features (bf16) and top-K q (fp16 probabilities, int32 ids) of every token, memory-mapped from disk."""
+class CacheShard:
+    """One build of the cache: examples [first, first + count) of the data, memory-mapped."""
 
-    def __init__(self, folder: str | Path, device="cpu"):
-        folder = Path(folder)
-        self.device = torch.device(device)
+    def __init__(self, folder: Path):
         self.index = json.loads((folder / "index.json").read_text())
         total, width, k = self.index["tokens"], self.index["feature_dim"], self.index["topk"]
+        self.first, self.count = self.index.get("first_example", 0), self.index["num_examples"]
         self.features = np.memmap(folder / "features.bin", dtype=np.uint16, mode="r", shape=(total, width))
         self.q_probs = np.memmap(folder / "q_probs.bin", dtype=np.float16, mode="r", shape=(total, k))
         self.q_ids = np.memmap(folder / "q_ids.bin", dtype=np.int32, mode="r", shape=(total, k))
         self.offsets = self.index["offsets"]
 
+
+def cache_shards(folder: Path) -> list[CacheShard]:
+    """The first build in `folder` itself, then one `from-N` folder per build of appended examples, in order."""
+    if not (folder / "index.json").exists():
+        return []
+    more = [p for p in folder.glob("from-*") if (p / "index.json").exists()]
+    return [CacheShard(p) for p in [folder, *sorted(more, key=lambda p: int(p.name.removeprefix("from-")))]]
+
+
+class CachedFeatures:
+    """Features (bf16) and top-K q (fp16 probabilities, int32 ids) of every token, memory-mapped from disk."""
+
+    def __init__(self, folder: str | Path, device="cpu"):
+        self.device = torch.device(device)
+        self.shards = cache_shards(Path(folder))
+
     def check(self, examples: list[Example], identity: dict) -> None:
-        if self.index["target"] != identity or self.index["num_examples"] != len(examples):
-            raise DSparkError("the feature cache was built for other data or another target; delete it or pick a new folder")
+        expected = 0
+        for shard in self.shards:
+            if shard.index["target"] != identity or shard.first != expected:
+                raise DSparkError("the feature cache was built for other data or another target; delete it or pick "
+                                  "a new folder")
+            expected += shard.count
+        if expected != len(examples):
+            raise DSparkError(f"the feature cache holds {expected} examples, the data {len(examples)}; it was built "
+                              "for other data: delete it or pick a new folder")
+
+    def _locate(self, index: int) -> tuple[CacheShard, int, int]:
+        shard = next(s for s in reversed(self.shards) if s.first <= index)
+        start, n = shard.offsets[index - shard.first]
+        return shard, start, n
 
     def __call__(self, examples: list[Example]) -> TargetBatch:
         ids, mask, _ = pad_batch(examples)
         batch, length = ids.shape
-        width, k = self.features.shape[1], self.q_probs.shape[1]
+        width, k = self.shards[0].features.shape[1], self.shards[0].q_probs.shape[1]
         feats = torch.zeros(batch, length, width, dtype=torch.bfloat16)
         q_probs = torch.zeros(batch, length, k)
         q_ids = torch.zeros(batch, length, k, dtype=torch.long)
         for i, e in enumerate(examples):
-            start, n = self.offsets[e.index]
-            feats[i, :n] = torch.from_numpy(np.array(self.features[start : start + n])).view(torch.bfloat16)
-            q_probs[i, :n] = torch.from_numpy(np.array(self.q_probs[start : start + n])).float()
-            q_ids[i, :n] = torch.from_numpy(np.array(self.q_ids[start : start + n])).long()
+            shard, start, n = self._locate(e.index)
+            feats[i, :n] = torch.from_numpy(np.array(shard.features[start : start + n])).view(torch.bfloat16)
+            q_probs[i, :n] = torch.from_numpy(np.array(shard.q_probs[start : start + n])).float()
+            q_ids[i, :n] = torch.from_numpy(np.array(shard.q_ids[start : start + n])).long()
         dev = self.device
         q_probs, q_ids = q_probs.to(dev), q_ids.to(dev)
         return TargetBatch(ids.to(dev), mask.to(dev), feats.to(dev),
@@ -111,9 +138,19 @@ class CachedFeatures:
 
 
 def build_feature_cache(folder: str | Path, target, examples: list[Example], topk: int, batch_size: int = 8) -> None:
-    """Run the target once over every example and store what training needs; atomic (a killed build leaves nothing)."""
+    """Run the target once over every example the cache in `folder` does not hold yet and store what training needs:
+    the first build fills `folder`, examples appended to the data later fill a `from-N` folder inside it. Each build
+    is atomic (a killed build leaves nothing), so a rerun continues."""
     if topk <= 0:
         raise DSparkError("a feature cache stores q as its top-K: pass --target-topk > 0 with --feature-cache")
+    folder = Path(folder)
+    held = sum(shard.count for shard in cache_shards(folder))
+    if held < len(examples):
+        write_cache_shard(folder / f"from-{held}" if held else folder, target, examples[held:], held, topk,
+                          batch_size)
+
+
+def write_cache_shard(folder: Path, target, examples: list[Example], first: int, topk: int, batch_size: int) -> None:
     total = sum(len(e) for e in examples)
     width = len(target.layer_ids) * target.hidden_size
     offsets, start = [], 0
@@ -137,6 +174,6 @@ def build_feature_cache(folder: str | Path, target, examples: list[Example], top
                 q_ids[a : a + n] = q.ids.int().cpu().numpy()
         for m in (features, q_probs, q_ids):
             m.flush()
-        index = {"tokens": total, "feature_dim": width, "topk": topk, "offsets": offsets,
+        index = {"tokens": total, "feature_dim": width, "topk": topk, "offsets": offsets, "first_example": first,
                  "num_examples": len(examples), "target": target.identity()}
         (tmp / "index.json").write_text(json.dumps(index))
