@@ -249,4 +249,6 @@ def test_prompt_mix_needs_its_evaluation_sets(tmp_path, capsys):
             "--eval-dir", empty)
     refused(capsys, "holds no evaluation sets", "prompts", "--out", tmp_path / "p.jsonl", "--count", "10",
             "--eval-dir", tmp_path / "missing")
+    refused(capsys, "SOURCE=NUMBER", "prompts", "--out", tmp_path / "p.jsonl", "--mix", "chat")
+    refused(capsys, "unknown prompt source(s) poetry", "prompts", "--out", tmp_path / "p.jsonl", "--mix", "poetry=1")
     assert not (tmp_path / "p.jsonl").exists()

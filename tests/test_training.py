@@ -120,6 +120,29 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path, bad, message):
         read_records(path)
 
 
+def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets():
+    from dspark.cli import default_eval_dir
+    from dspark.training.sources import MIX, _shingles, build_prompts, eval_shingles
+
+    records, report = build_prompts(600, 0, default_eval_dir())
+    shares = {s: n / len(records) for s, n in report["counts"].items()}
+    assert all(abs(shares[s] - MIX[s]) < 0.03 for s in MIX), shares
+    assist = [r for r in records if r["source"] == "assist"]
+    firsts = [r["messages"][0]["content"] for r in assist]
+    for marker in ("Read the notes below", "Stay in character", "Write a ", " is the ", "In "):  # MT-Bench's kinds
+        assert any(marker in t for t in firsts), marker
+    assert 0.3 < sum(len(r["messages"]) == 2 for r in assist) / len(assist) < 0.7  # follow-up turns
+    forbidden = eval_shingles(default_eval_dir())
+    assert not any(_shingles(m["content"]) & forbidden for r in records for m in r["messages"])
+    # ids are digests of the prompt: another seed or mix never gives an id to a different prompt
+    other, _ = build_prompts(600, 1, default_eval_dir(), {"assist": 0.5, "math": 0.5})
+    mine = {r["id"]: r["messages"] for r in records}
+    assert len(mine) == len(records)
+    assert all(mine[r["id"]] == r["messages"] for r in other if r["id"] in mine)
+    with pytest.raises(DSparkError, match="unknown prompt source"):
+        build_prompts(10, 0, default_eval_dir(), {"poetry": 1.0})
+
+
 def test_prompt_formats(tmp_path):
     (tmp_path / "p.txt").write_text("first\n\nsecond\n")
     assert [r["messages"][0]["content"] for r in read_records(tmp_path / "p.txt")] == ["first", "second"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def finite_float(text: str) -> float:
 
 def int_list(text: str) -> list[int]:
     return [_int(x) for x in text.split(",")]
+
+
+def prompt_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for part in text.split(","):
+        name, _, share = part.partition("=")
+        try:
+            mix[name.strip()] = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"write each share as SOURCE=NUMBER, got {part!r}") from None
+        if not math.isfinite(mix[name.strip()]) or mix[name.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"a share must be a number >= 0, got {part!r}")
+    return mix
 
 
 def str_list(text: str) -> list[str]:
@@ -643,7 +657,7 @@ def cmd_prompts(args) -> int:
     from dspark.training.sources import build_prompts
 
     check_output_file(args.out, "--out")
-    records, report = build_prompts(args.count, args.seed, args.eval_dir)
+    records, report = build_prompts(args.count, args.seed, args.eval_dir, args.mix)
     atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     atomic_write_json(str(args.out) + ".report.json", report)
     print(json.dumps(report))
@@ -918,6 +932,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--count", type=positive_int, default=10000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--eval-dir", default=str(default_eval_dir()), help="evaluation sets that prompts must not overlap")
+    p.add_argument("--mix", type=prompt_mix, help="shares per source, e.g. assist=1 or chat=0.18,math=0.39,code=0.39,"
+                                                  "instruct=0.04 (default: chat 0.08, assist 0.10, math 0.39, code "
+                                                  "0.39, instruct 0.04)")
     p.set_defaults(func=cmd_prompts)
 
     p = sub.add_parser("regenerate", help="have the target answer every prompt (resumable JSONL)")

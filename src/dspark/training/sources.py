@@ -1,7 +1,9 @@
 """Training prompts that ship offline and never overlap the evaluation sets.
 
-Four sources, mixed like the paper's data (chat 18 %, math 39 %, code 39 %, instructions 4 %):
+Five sources, mixed like the paper's data (conversation 18 %, math 39 %, code 39 %, instructions 4 %):
 - chat: opening turns of human conversations from the `chitchat-dataset` package (MIT);
+- assist: assistant requests in the kinds MT-Bench asks (writing, roleplay, extraction, reasoning, STEM and
+  humanities), half of them with a follow-up turn, from templates and word lists;
 - math: word problems and exercises generated from templates with random numbers;
 - code: tasks built from the Python standard library's own functions and docstrings;
 - instruct: short writing and explanation requests from templates.
@@ -10,6 +12,7 @@ Every prompt is checked against the evaluation prompts (8-word shingles) and dro
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import inspect
 import json
@@ -20,7 +23,7 @@ from pathlib import Path
 from dspark.errors import DSparkError
 from dspark.fsutil import read_jsonl
 
-MIX = {"chat": 0.18, "math": 0.39, "code": 0.39, "instruct": 0.04}
+MIX = {"chat": 0.08, "assist": 0.10, "math": 0.39, "code": 0.39, "instruct": 0.04}
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
 
@@ -234,6 +237,93 @@ def instruct_prompts(rng: random.Random, count: int) -> list[list[str]]:
     return [[rng.choice(makers)()] for _ in range(count)]
 
 
+# ---- assistant requests (MT-Bench's kinds) ------------------------------------------------------------------------
+FORMS = ["blog post", "persuasive essay", "formal email", "short speech", "product review", "cover letter",
+         "newsletter intro", "short story", "limerick", "dialogue between two friends", "press release",
+         "motivational letter", "restaurant review", "museum guide entry"]
+STYLES = ["in under 150 words", "with a catchy title", "for a teenage audience", "in a humorous tone",
+          "using exactly three paragraphs", "with a surprising ending", "in a formal register", "as a numbered list"]
+PERSONAS = ["a pirate captain", "a 19th-century detective", "a tour guide in Kyoto", "a fitness coach",
+            "a medieval blacksmith", "a patient customer support agent", "a famous pastry chef", "an astronaut on Mars",
+            "a librarian who loves mysteries", "a wise old gardener", "a startup founder", "a marine biologist"]
+PERSONA_ASKS = ["What advice would you give to a beginner?", "Describe a typical day in your life.",
+                "What was the hardest decision you ever made?", "How would you convince me to try your craft?",
+                "What do people most often misunderstand about your work?", "Tell me about your favourite tool."]
+FIELDS = {
+    "physics": ["entropy", "superconductivity", "the photoelectric effect", "inertia", "wave interference"],
+    "biology": ["natural selection", "cell respiration", "the immune response", "gene expression", "symbiosis"],
+    "chemistry": ["chemical equilibrium", "catalysis", "oxidation", "covalent bonding", "pH buffers"],
+    "economics": ["opportunity cost", "price elasticity", "comparative advantage", "monetary policy", "externalities"],
+    "history": ["the printing press", "the Silk Road", "the industrial revolution", "the fall of Rome", "the Renaissance"],
+    "philosophy": ["utilitarianism", "stoicism", "the social contract", "free will", "the ship of Theseus"],
+    "computer science": ["hash tables", "public-key cryptography", "garbage collection", "TCP congestion control",
+                         "dynamic programming"],
+}
+FOLLOW_UPS = ["Now summarise your answer in one sentence.", "Rewrite your answer for a five-year-old.",
+              "Can you give a concrete example?", "What are the main weaknesses of what you just said?",
+              "Turn your answer into a short poem.", "Make it twice as short, keeping the key points.",
+              "Translate the first sentence of your answer into French.", "Explain your reasoning step by step."]
+
+
+def _writing(rng: random.Random) -> str:
+    return f"Write a {rng.choice(FORMS)} about {rng.choice(TOPICS + CONCEPTS)}, {rng.choice(STYLES)}."
+
+
+def _roleplay(rng: random.Random) -> str:
+    opening = rng.choice(["Act as", "Imagine you are", "For this conversation, play"])
+    return f"{opening} {rng.choice(PERSONAS)}. Stay in character. {rng.choice(PERSONA_ASKS)}"
+
+
+def _extraction(rng: random.Random) -> str:
+    people = rng.sample(NAMES, 3)
+    lines = [f"{p} bought {rng.randint(2, 30)} {rng.choice(ITEMS)} at the {rng.choice(PLACES)} on "
+             f"{rng.choice(['Monday', 'Tuesday', 'Friday', 'Sunday'])} for ${rng.randint(3, 90)}." for p in people]
+    ask = rng.choice(["Return the purchases as a JSON list with keys name, count, item, place and price.",
+                      "Make a table of who bought what, and on which day.",
+                      "Who spent the most, and how much did all three spend together?"])
+    return "Read the notes below.\n" + "\n".join(lines) + "\n" + ask
+
+
+def _reasoning(rng: random.Random) -> str:
+    a, b, c = rng.sample(NAMES, 3)
+    trait = rng.choice([("taller", "shortest"), ("older", "youngest"), ("faster", "slowest")])
+    puzzles = [
+        f"{a} is {trait[0]} than {b}, and {b} is {trait[0]} than {c}. Who is the {trait[1]}? Explain.",
+        f"If today is {rng.choice(['Monday', 'Wednesday', 'Saturday'])}, what day will it be in "
+        f"{rng.randint(10, 100)} days? Show how you worked it out.",
+        f"{a} has twice as many {rng.choice(ITEMS)} as {b}. Together they have {3 * rng.randint(4, 30)}. "
+        f"How many does each have? Is there only one answer?",
+        f"A box holds red and blue balls. {a} says at least one is red; {b} says at most one is red; {c} says both "
+        "statements are true. If the box holds three balls, what could it contain?",
+    ]
+    return rng.choice(puzzles)
+
+
+def _question(rng: random.Random) -> str:
+    field = rng.choice(list(FIELDS))
+    x, y = rng.sample(FIELDS[field], 2)
+    return rng.choice([f"In {field}, what is {x}, and how does it relate to {y}?",
+                       f"Explain {x} to a first-year {field} student, with one everyday example.",
+                       f"What are the most common misconceptions about {x}?"])
+
+
+ASSIST_KINDS = {"writing": _writing, "roleplay": _roleplay, "extraction": _extraction, "reasoning": _reasoning,
+                "question": _question}
+
+
+def assist_prompts(rng: random.Random, count: int) -> list[list[str]]:
+    """Requests of MT-Bench's kinds in equal shares; half of them continue with a follow-up turn."""
+    kinds = list(ASSIST_KINDS.values())
+    prompts = []
+    for i in range(count):
+        turns = [kinds[i % len(kinds)](rng)]
+        if rng.random() < 0.5:
+            turns.append(rng.choice(FOLLOW_UPS))
+        prompts.append(turns)
+    rng.shuffle(prompts)
+    return prompts
+
+
 # ---- assembly ----------------------------------------------------------------------------------------------------
 def _shingles(text: str, n: int = 8) -> set[str]:
     for fixed in (MATH_SUFFIX, CODE_PREFIX):
@@ -262,10 +352,14 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
     """`count` prompt records in the given mix, shuffled; returns (records, report of counts and dropped overlaps)."""
     forbidden = eval_shingles(eval_dir)
     mix = mix or MIX
+    unknown = set(mix) - set(MIX)
+    if unknown:
+        raise DSparkError(f"unknown prompt source(s) {', '.join(sorted(unknown))}; the sources are {', '.join(MIX)}")
     rng = random.Random(seed)
     want = {k: round(count * v) for k, v in mix.items()}
     pools = {
         "chat": chat_prompts(rng)[: want.get("chat", 0)],
+        "assist": assist_prompts(rng, want.get("assist", 0)),
         "math": math_prompts(rng, want.get("math", 0)),
         "code": code_prompts(rng, want.get("code", 0)),
         "instruct": instruct_prompts(rng, want.get("instruct", 0)),
@@ -278,7 +372,10 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
                 dropped[source] = dropped.get(source, 0) + 1
                 continue
             seen.add(key)
-            records.append({"id": f"{source}-{len(records):06d}", "source": source,
+            # The id is the prompt's own digest: prompt files built with other seeds or mixes never reuse an id for
+            # another prompt, so their answers can be appended to one training file.
+            digest = hashlib.sha1(key.encode()).hexdigest()[:12]
+            records.append({"id": f"{source}-{digest}", "source": source,
                             "messages": [{"role": "user", "content": t} for t in turns]})
     rng.shuffle(records)
     counts = {s: sum(r["source"] == s for r in records) for s in pools}
