@@ -5,6 +5,7 @@ import gzip
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -134,6 +135,8 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
     assert 0.3 < sum(len(r["messages"]) == 2 for r in assist) / len(assist) < 0.7  # follow-up turns
     forbidden = eval_shingles(default_eval_dir())
     assert not any(_shingles(m["content"]) & forbidden for r in records for m in r["messages"])
+    # nothing that differs between processes (a default's repr holds its memory address)
+    assert not any(re.search(r" at 0x[0-9a-f]+>", m["content"]) for r in records for m in r["messages"])
     # ids are digests of the prompt: another seed or mix never gives an id to a different prompt
     other, _ = build_prompts(600, 1, default_eval_dir(), {"assist": 0.5, "math": 0.5})
     mine = {r["id"]: r["messages"] for r in records}

@@ -124,6 +124,14 @@ STDLIB_MODULES = [
 ]
 
 
+def readable_signature(sig: str) -> str | None:
+    """A signature as code would write it: object reprs in defaults become names (a repr like `<function f at 0x7f..>`
+    would put a memory address, different in every process, into the prompt); None when one cannot be named."""
+    sig = re.sub(r"<(?:function|built-in function) ([\w.]+) at 0x[0-9a-f]+>", r"\1", sig)
+    sig = re.sub(r"<class '([\w.]+)'>", r"\1", sig)
+    return None if "<" in sig else sig
+
+
 def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
     """(qualified name, signature, docstring, source or None) of public documented stdlib functions/methods."""
     found, seen = [], set()
@@ -147,9 +155,11 @@ def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
                 continue
             seen.add(doc)
             try:
-                sig = str(inspect.signature(obj))
+                sig = readable_signature(str(inspect.signature(obj)))
             except (TypeError, ValueError):
                 sig = "(*args)"
+            if sig is None:
+                continue
             try:
                 src = inspect.getsource(obj) if inspect.isfunction(obj) else None
             except (OSError, TypeError):
