@@ -351,6 +351,10 @@ def test_periodic_real_decoding_evaluation_logs_what_the_engine_measures(tiny_ru
         results = engine.generate(prompts, 10)
         tau = sum(r.stats.tokens for r in results) / sum(r.stats.rounds for r in results)
         assert logged[name] == round(tau, 3)
+    from dspark.bench.report import training_curves
+
+    training_curves({"run": tmp_path / "run"}, tmp_path / "curve.png")  # with its real-decoding panel
+    assert (tmp_path / "curve.png").stat().st_size > 0
 
 
 def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):

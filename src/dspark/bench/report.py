@@ -202,24 +202,33 @@ def _save(fig, path: Path) -> Path:
 
 
 def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
-    """Held-out greedy τ against training seconds and tokens, one line per run (from each run's metrics.jsonl)."""
+    """Held-out greedy τ against training seconds and tokens, one line per run (from each run's metrics.jsonl), and,
+    where a run logged it (`--decode-eval-every`), τ of real decoding against tokens in a third panel."""
 
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = {}
+    curves, decoded = {}, {}
     for label, folder in runs.items():
         rows = read_jsonl(Path(folder) / "metrics.jsonl")
         curves[label] = [{"step": r["step"], "seconds": r["seconds"], "tokens": r["tokens"], "tau": r["tau_greedy"]}
                          for r in rows if "tau_greedy" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+        decoded[label] = [(r["tokens"], r["decode_tau_all"]) for r in rows if "decode_tau_all" in r]
+    panels = 3 if any(decoded.values()) else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     for label, pts in curves.items():
         axes[0].plot([p["seconds"] / 60 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
         axes[1].plot([p["tokens"] / 1e6 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
+        if panels == 3 and decoded[label]:
+            axes[2].plot([t / 1e6 for t, _ in decoded[label]], [tau for _, tau in decoded[label]], marker=".",
+                         label=label)
     axes[0].set(xlabel="training wall time (minutes)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against time")
     axes[1].set(xlabel="training tokens seen (millions)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against tokens")
+    if panels == 3:
+        axes[2].set(xlabel="training tokens seen (millions)", ylabel="τ of real greedy decoding (evaluation slice)",
+                    title="real decoding against tokens")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
