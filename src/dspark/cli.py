@@ -449,34 +449,32 @@ def gguf_arg(given: str | None, model: str) -> Path:
 
 
 def cmd_bench_llama_cpp(args) -> int:
+    import tempfile
+
     import torch
 
     from dspark.assets import shipped_drafter
     from dspark.bench.llamacpp import run_llama_cpp_bench
     from dspark.bench.report import llama_cpp_plot, llama_cpp_section
     from dspark.drafter import load_drafter
-    from dspark.formats import export_foreign
-    from dspark.formats.gguf import float32_gguf, gguf_weights
+    from dspark.formats.gguf import export_gguf, float32_gguf, gguf_weights
 
     drafter_path = Path(args.drafter or shipped_drafter(args.model))
     out = check_bench_args(args, [drafter_path])
     target_gguf = gguf_arg(args.target_gguf, args.model)
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
-    draft_dir = out / "llama-cpp-draft"
-    draft_dir.mkdir(parents=True, exist_ok=True)
-    for stale in draft_dir.glob("*.gguf"):
-        stale.unlink()
-    export_foreign(drafter, target, draft_dir, "gguf", torch.float32, target_gguf)
-    targets = {}
-    if args.llama_weights in ("as-shipped", "both"):
-        targets[gguf_weights(target_gguf)] = target_gguf
-    if args.llama_weights in ("float32", "both"):
-        targets["float32"] = float32_gguf(target_gguf, draft_dir / f"{target_gguf.stem}.f32.gguf")
-    run = run_llama_cpp_bench(target, drafter, drafter_path, next(draft_dir.glob("*-dspark-draft.gguf")), targets,
-                              Path(args.llama_bin), args.datasets, args.prompts_per_set, args.max_new_tokens,
-                              args.p_min, torch.get_num_threads(),
-                              progress=lambda line: print(line, file=sys.stderr))
+    with tempfile.TemporaryDirectory(prefix="dspark-llama-") as scratch:  # the GGUFs are big and rebuilt in seconds
+        scratch = Path(scratch)
+        draft = export_gguf(drafter, target, scratch, torch.float32, target_gguf)
+        targets = {}
+        if args.llama_weights in ("as-shipped", "both"):
+            targets[gguf_weights(target_gguf)] = target_gguf
+        if args.llama_weights in ("float32", "both"):
+            targets["float32"] = float32_gguf(target_gguf, scratch / f"{target_gguf.stem}.f32.gguf")
+        run = run_llama_cpp_bench(target, drafter, drafter_path, draft, targets, Path(args.llama_bin), args.datasets,
+                                  args.prompts_per_set, args.max_new_tokens, args.p_min, torch.get_num_threads(),
+                                  progress=lambda line: print(line, file=sys.stderr))
     publish(run, out, "llama-cpp", lambda: llama_cpp_plot(run, out / "llama-cpp.png"), llama_cpp_section,
             args.markdown)
     return 0
