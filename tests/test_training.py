@@ -357,6 +357,29 @@ def test_periodic_real_decoding_evaluation_logs_what_the_engine_measures(tiny_ru
     assert (tmp_path / "curve.png").stat().st_size > 0
 
 
+def test_held_out_tau_is_split_by_prompt_source(tiny_run):
+    from conftest import tiny_drafter
+    from dspark.target import Target
+    from dspark.training.features import OnlineFeatures
+    from dspark.training.trainer import evaluate, load_examples
+
+    folder, data = tiny_run
+    target = Target.load(str(folder))
+    examples, _, _ = load_examples(target, str(data), 1024, 0.0)
+    examples = examples[:16]
+    drafter = tiny_drafter(target, block_size=4, mask_token_id=63)
+    cfg = tiny_config(folder, data, "unused")
+    for e in examples:
+        e.source = "math"
+    same = evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, 4)
+    assert same["tau_by_source"] == {"math": same["tau_greedy"]}
+    for i, e in enumerate(examples):
+        e.source = ("math", "code")[i % 2]
+    mixed = evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, 4)
+    assert set(mixed["tau_by_source"]) == {"code", "math"} and mixed["tau_greedy"] == same["tau_greedy"]
+    assert min(mixed["tau_by_source"].values()) <= mixed["tau_greedy"] <= max(mixed["tau_by_source"].values())
+
+
 def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain

@@ -82,6 +82,7 @@ class Example:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens
     index: int = -1  # position in the training set (feature cache lookups)
+    source: str = ""  # the record's prompt source (chat, math, code, ...), for per-category evaluation
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -115,5 +116,5 @@ def examples_from_record(tokenizer, record: dict, max_length: int) -> list[Examp
         ids = (prompt + answer)[:max_length]
         mask = ([0] * len(prompt) + [1] * len(answer))[:max_length]
         if sum(mask) >= 2:  # an anchor needs itself and its next token inside the mask
-            out.append(Example(ids, mask))
+            out.append(Example(ids, mask, source=str(record.get("source") or "")))
     return out

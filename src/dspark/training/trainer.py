@@ -391,9 +391,11 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
     drafter.eval()
     gamma = cfg.block_size
     runs, blocks, accepted_pos, reached_pos = 0.0, 0, torch.zeros(gamma), torch.zeros(gamma)
+    by_source: dict[str, list[float]] = {}  # source -> [accepted drafts, blocks]
     g = torch.Generator().manual_seed(1234)
     for s in range(0, len(examples), batch_size):
-        batch = source(examples[s : s + batch_size])
+        chunk = examples[s : s + batch_size]
+        batch = source(chunk)
         plan = plan_blocks(batch, cfg, g)
         full = plan.supervised.all(-1)
         with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
@@ -404,6 +406,10 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
         lead = match.long().cumprod(-1)
         runs += float(lead.sum())
         blocks += match.shape[0]
+        for row, accepted in zip(full.nonzero()[:, 0].tolist(), lead.sum(-1).tolist()):
+            tally = by_source.setdefault(chunk[row].source or "other", [0.0, 0])
+            tally[0] += accepted
+            tally[1] += 1
         reached = torch.cat([torch.ones_like(lead[:, :1]), lead[:, :-1]], dim=1)
         accepted_pos += lead.sum(0).float().cpu()
         reached_pos += reached.sum(0).float().cpu()
@@ -411,6 +417,7 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
     if not blocks:
         return {}
     return {"tau_greedy": round(1 + runs / blocks, 4), "eval_blocks": blocks,
+            "tau_by_source": {k: round(1 + a / n, 4) for k, (a, n) in sorted(by_source.items())},
             "accept_by_position": [round(float(a / r), 4) if r else None for a, r in zip(accepted_pos, reached_pos)]}
 
 
@@ -626,7 +633,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         due_eval = loop["step"] % cfg.eval_every == 0 or loop["step"] == total
         if due_eval and rank == 0 and held_out:
             last.update(evaluate(drafter, OnlineFeatures(target, 0), held_out[:64], cfg, cfg.batch_size))
-            bar.write(json.dumps({k: last[k] for k in ("step", "tau_greedy", "accept_by_position") if k in last}))
+            bar.write(json.dumps({k: last[k] for k in ("step", "tau_greedy", "accept_by_position", "tau_by_source")
+                                  if k in last}))
         due_decode = cfg.decode_eval_every > 0 and (loop["step"] % cfg.decode_eval_every == 0 or loop["step"] == total)
         if due_decode and rank == 0:
             last.update(decode_eval(drafter, target, decode_prompts, cfg.decode_eval_tokens))
