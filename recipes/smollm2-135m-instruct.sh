@@ -2,9 +2,12 @@
 # Reproduces the drafter shipped in src/dspark/data/drafters/smollm2-135m-instruct (see its MODEL_CARD.md).
 # Every step resumes after an interruption: rerun the script and it continues where it stopped.
 #
-# By default training starts from the regenerated data committed in data/ (the exact records the shipped drafter
-# saw: regen then regen2, 2,417 answers). REGENERATE=1 rebuilds that data from scratch instead: the prompt mix, then the target's answers on both
-# cores for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical).
+# Two legs, as the shipped drafter was made: (a) 1,149 steps on the target's own (Llama) layers from the first
+# regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
+# and DeepSpec) and trained on for 150 steps with the second data set appended. By default both start from the
+# regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data
+# from scratch instead: the prompt mix, then the target's answers on both cores for REGEN_SECONDS (records arrive in
+# a machine-dependent order, so the result is similar, not identical), used by both legs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/recipe}
@@ -12,11 +15,12 @@ mkdir -p "$RUN"
 export OMP_NUM_THREADS=1
 dspark() { .venv/bin/dspark "$@"; }
 
-DATA="$RUN/train.jsonl"
+FIRST="$RUN/regen1.jsonl" DATA="$RUN/train.jsonl"
+[ -f "$FIRST" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz > "$FIRST.tmp" && mv "$FIRST.tmp" "$FIRST"; }
 [ -f "$DATA" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz data/smollm2-135m-instruct-regen2.jsonl.gz \
                     > "$DATA.tmp" && mv "$DATA.tmp" "$DATA"; }
 if [ "${REGENERATE:-0}" = 1 ]; then
-  DATA="$RUN/regen.jsonl"
+  DATA="$RUN/regen.jsonl" FIRST="$RUN/regen.jsonl"
   # 1. Prompt mix (chat / math / code / instructions), checked against the evaluation sets.
   [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 20000 --seed 0
   # 2. The target answers them (greedy, bfloat16), one half per core, for a fixed time budget.
@@ -34,20 +38,27 @@ if [ "${REGENERATE:-0}" = 1 ]; then
   fi
 fi
 
-# 3. Train from a feature cache built once (float32 target: exact on every CPU; 70 min on one core), on 2 threads.
-#    The shipped run had two legs: 450 steps (cosine schedule over 450), then the same run resumed to 1,150 steps
-#    (the schedule recomputed over 1,150: a warm restart), 5.6-7 s/step on 2 AVX2 cores, ~2 h in all.
-#    Each leg resumes after a kill: rerun the script.
-TRAIN=(--data "$DATA" --out "$RUN/drafter" --preset dspark --backbone qwen3 --num-draft-layers 2 --markov-rank 64
-       --draft-vocab-size 8192 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 1e-3 --max-steps 450
-       --target-dtype float32 --no-bf16 --feature-cache "$RUN/features" --eval-every 100 --save-every 50
-       --threads 2 --quiet)
-step() { .venv/bin/python -c "import json,sys; print(json.load(open(sys.argv[1]))['loop']['step'])" \
-           "$RUN/drafter/checkpoint/trainer_state.json" 2>/dev/null || echo 0; }
+# 3a. The target-family leg: 3 epochs from a feature cache built once, one thread (97 min on one Xeon core).
+if [ ! -d "$RUN/drafter" ]; then
+  if [ ! -f "$RUN/family/checkpoint/trainer_state.json" ]; then
+    dspark train --data "$FIRST" --out "$RUN/family" --preset dspark --backbone family --num-draft-layers 2 \
+      --markov-rank 64 --draft-vocab-size 8192 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 1e-3 --epochs 3 \
+      --feature-cache "$RUN/features" --eval-every 100 --save-every 100 --threads 1 --quiet
+  else
+    dspark train --out "$RUN/family" --resume --threads 1 --quiet
+  fi
+fi
+
+# 3b. The portable leg: the same weights on Qwen3-style layers (new q/k norms start at one), 150 more steps on both
+#     data sets at half the learning rate, float32 target run online, 2 threads (~21 s/step on 2 AVX2 cores, ~55 min).
 export OMP_NUM_THREADS=2
-if [ ! -f "$RUN/drafter/checkpoint/trainer_state.json" ]; then dspark train "${TRAIN[@]}"; fi
-if [ "$(step)" -lt 450 ]; then dspark train --out "$RUN/drafter" --resume --max-steps 450 --threads 2 --quiet; fi
-dspark train --out "$RUN/drafter" --resume --max-steps 1150 --threads 2 --quiet
+if [ ! -f "$RUN/drafter/checkpoint/trainer_state.json" ]; then
+  dspark train --data "$DATA" --out "$RUN/drafter" --init-from "$RUN/family/checkpoint" --backbone qwen3 \
+    --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --max-steps 150 --target-dtype float32 --no-bf16 \
+    --eval-every 50 --save-every 10 --threads 2 --quiet
+else
+  dspark train --out "$RUN/drafter" --resume --max-steps 150 --threads 2 --quiet
+fi
 
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}

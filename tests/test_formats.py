@@ -161,15 +161,11 @@ def llama_cpp_or_skip():
 # ---- the real target ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real_portable(real_target):
-    from dspark.drafter import DSparkConfig, new_drafter
+    """The shipped drafter: what these tests export to llama.cpp and vLLM is what users get."""
+    from dspark.assets import shipped_drafter
+    from dspark.drafter import load_drafter
 
-    torch.manual_seed(0)
-    drafter = new_drafter(real_target, DSparkConfig(backbone="qwen3", num_draft_layers=1, markov_rank=16,
-                                                    draft_vocab_size=4096))
-    drafter.init_from_target_layers(real_target.model)
-    with torch.no_grad():
-        drafter.markov_head.markov_w2.weight.normal_(0, 0.05)
-    return drafter.eval()
+    return load_drafter(shipped_drafter("smollm2-135m-instruct"), real_target).eval()
 
 
 @pytest.mark.real

@@ -247,6 +247,28 @@ def test_a_few_steps_reduce_the_loss(tiny_run, tmp_path):
     assert last["loss"] < 0.8 * first["loss"] and last["tv"] < 0.8 * first["tv"] and last["ce"] < 0.9 * first["ce"]
 
 
+
+def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path):
+    """`train --init-from FAMILY --backbone qwen3` carries every weight over (only the new q/k norms start at one),
+    so a drafter trained on the target's own layers continues on the backbone that exports to other runtimes."""
+    from dspark.drafter import load_drafter, port_to_qwen3
+    from dspark.target import Target
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    target = Target.load(str(folder), dtype="float32")
+    train(tiny_config(folder, data, tmp_path / "family", backbone="family", max_steps=2), progress=False)
+    family = load_drafter(tmp_path / "family" / "checkpoint", target)
+    ported = port_to_qwen3(family, target)
+    old, new = family.state_dict(), ported.state_dict()
+    assert ported.config.backbone == "qwen3" and all(torch.equal(old[k], new[k]) for k in old)
+    assert {k.split(".")[-2] for k in set(new) - set(old)} == {"q_norm", "k_norm"}
+    assert all(torch.equal(new[k], torch.ones_like(new[k])) for k in set(new) - set(old))
+
+    train(tiny_config(folder, data, tmp_path / "qwen3", init_from=str(tmp_path / "family" / "checkpoint"),
+                      max_steps=2), progress=False)
+    assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
+
 def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     from dspark.training.trainer import train
 

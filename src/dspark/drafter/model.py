@@ -32,6 +32,15 @@ WEIGHT_SHAPING_FIELDS = ("architecture", "block_size", "num_draft_layers", "targ
                          "backbone")
 
 
+# What a Qwen3-style layer has and a warm start from another family's layer lacks: kept at their start (norm
+# weights at one, bias at zero) when weights are copied in.
+PORTABLE_EXTRAS = ("q_norm.weight", "k_norm.weight", "o_proj.bias")
+
+
+def only_portable_extras(missing_keys) -> bool:
+    return all(k.endswith(PORTABLE_EXTRAS) for k in missing_keys)
+
+
 def gemma_as_qwen3(state: dict) -> dict:
     """A Gemma layer's weights as a warm start for a Qwen3-style layer: Gemma norms scale by (1 + w), Qwen3's by w,
     so the pre-norms convert exactly; the sandwich norms after attention and MLP have no place and are dropped."""
@@ -125,7 +134,7 @@ class DSparkDrafter(nn.Module):
             # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
             # its output-projection bias at zero; nothing else may be left out.
             missing, unexpected = layer.load_state_dict(state, strict=False)
-            if unexpected or any(not k.endswith(("q_norm.weight", "k_norm.weight", "o_proj.bias")) for k in missing):
+            if unexpected or not only_portable_extras(missing):
                 raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
                                   f"{unexpected}); train with --no-init-target-layers")
         final = target_model.get_decoder().norm.state_dict()

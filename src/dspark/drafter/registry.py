@@ -12,7 +12,8 @@ from safetensors import safe_open
 
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.eagle import EagleDrafter
-from dspark.drafter.model import CHECKPOINT_FORMAT, FORMAT_VERSION, WEIGHT_SHAPING_FIELDS, DSparkDrafter
+from dspark.drafter.model import (CHECKPOINT_FORMAT, FORMAT_VERSION, WEIGHT_SHAPING_FIELDS, DSparkDrafter,
+                                  only_portable_extras)
 from dspark.errors import DSparkError
 from dspark.fsutil import recover_dir
 
@@ -35,6 +36,22 @@ def new_drafter(target, config: DSparkConfig | None = None) -> DSparkDrafter:
         config.mask_token_id = target.unused_token_id()
     return drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
 
+
+
+def port_to_qwen3(drafter: DSparkDrafter, target) -> DSparkDrafter:
+    """A `family` drafter moved onto the portable Qwen3-style backbone, as a warm start for training (not an exact
+    copy: the new q/k norms start at one, so attention scores change until training adapts them). Every other
+    weight, the draft vocabulary included, carries over."""
+    if drafter.config.backbone == "qwen3":
+        return drafter
+    config = DSparkConfig.from_dict({**drafter.config.to_dict(), "backbone": "qwen3"})
+    ported = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight,
+                                                target.lm_head.weight).to(next(drafter.parameters()).dtype)
+    missing, unexpected = ported.load_state_dict(drafter.state_dict(), strict=False)
+    if unexpected or not only_portable_extras(missing):
+        raise DSparkError(f"this drafter's layers do not fit the qwen3 backbone (missing {missing[:4]}, unexpected "
+                          f"{unexpected[:4]}); train a new drafter with --backbone qwen3")
+    return ported
 
 def read_checkpoint_meta(path: str | Path) -> dict:
     path = Path(path)

@@ -26,8 +26,8 @@ def check_portable(drafter, fmt: str) -> None:
     if config.backbone != "qwen3":
         raise DSparkError(
             f"--format {fmt} needs a Qwen3-style backbone (q/k RMS norms), and this drafter was trained with "
-            f"backbone='{config.backbone}' (the target's own layers); retrain it with `dspark train --backbone qwen3` "
-            "(the default for new drafters)")
+            f"backbone='{config.backbone}' (the target's own layers); continue training it on that backbone with "
+            "`dspark train --init-from CHECKPOINT --backbone qwen3 ...`, or train a new one (qwen3 is the default)")
     if config.feature_norm:
         raise DSparkError(f"--format {fmt} has no per-layer feature normalisation; this drafter was trained with "
                           "--feature-norm, which no other runtime implements. Retrain without it")

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.drafter import DSparkConfig, load_drafter, new_drafter
+from dspark.drafter import DSparkConfig, load_drafter, new_drafter, port_to_qwen3
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, recover_dir
@@ -532,6 +532,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if cfg.init_from:
         drafter = load_drafter(cfg.init_from, target).float()
         drafter.config.num_anchors = cfg.num_anchors
+        if drafter.config.backbone != cfg.backbone == "qwen3":
+            drafter = port_to_qwen3(drafter, target)
+            if rank == 0:
+                print(f"dspark: {cfg.init_from} has the target-family backbone; continuing it on the portable qwen3 "
+                      "backbone (q/k norms start at one; --backbone family keeps the family layers)")
     else:
         drafter = new_drafter(target, cfg.drafter_config()).float()
         if cfg.init_target_layers:
