@@ -50,7 +50,7 @@ if [ ! -d "$RUN/drafter" ]; then
 fi
 
 # 3b. The portable leg: the same weights on Qwen3-style layers (new q/k norms start at one), 150 more steps on both
-#     data sets at half the learning rate, float32 target run online, 2 threads (~21 s/step on 2 AVX2 cores, ~55 min).
+#     data sets at half the learning rate, float32 target run online, 2 threads (~19 s/step on 2 AVX2 cores, ~50 min).
 export OMP_NUM_THREADS=2
 if [ ! -f "$RUN/drafter/checkpoint/trainer_state.json" ]; then
   dspark train --data "$DATA" --out "$RUN/drafter" --init-from "$RUN/family/checkpoint" --backbone qwen3 \
