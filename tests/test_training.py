@@ -247,7 +247,6 @@ def test_a_few_steps_reduce_the_loss(tiny_run, tmp_path):
     assert last["loss"] < 0.8 * first["loss"] and last["tv"] < 0.8 * first["tv"] and last["ce"] < 0.9 * first["ce"]
 
 
-
 def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path):
     """`train --init-from FAMILY --backbone qwen3` carries every weight over (only the new q/k norms start at one),
     so a drafter trained on the target's own layers continues on the backbone that exports to other runtimes."""
@@ -268,6 +267,7 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     train(tiny_config(folder, data, tmp_path / "qwen3", init_from=str(tmp_path / "family" / "checkpoint"),
                       max_steps=2), progress=False)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
+
 
 def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     from dspark.training.trainer import train

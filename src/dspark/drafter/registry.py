@@ -37,7 +37,6 @@ def new_drafter(target, config: DSparkConfig | None = None) -> DSparkDrafter:
     return drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
 
 
-
 def port_to_qwen3(drafter: DSparkDrafter, target) -> DSparkDrafter:
     """A `family` drafter moved onto the portable Qwen3-style backbone, as a warm start for training (not an exact
     copy: the new q/k norms start at one, so attention scores change until training adapts them). Every other
@@ -45,13 +44,13 @@ def port_to_qwen3(drafter: DSparkDrafter, target) -> DSparkDrafter:
     if drafter.config.backbone == "qwen3":
         return drafter
     config = DSparkConfig.from_dict({**drafter.config.to_dict(), "backbone": "qwen3"})
-    ported = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight,
-                                                target.lm_head.weight).to(next(drafter.parameters()).dtype)
+    ported = new_drafter(target, config).to(next(drafter.parameters()).dtype)
     missing, unexpected = ported.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or not only_portable_extras(missing):
         raise DSparkError(f"this drafter's layers do not fit the qwen3 backbone (missing {missing[:4]}, unexpected "
                           f"{unexpected[:4]}); train a new drafter with --backbone qwen3")
     return ported
+
 
 def read_checkpoint_meta(path: str | Path) -> dict:
     path = Path(path)
