@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import tiny_drafter
+from conftest import refused, tiny_drafter
 from dspark.bench.report import markdown_section, plots, write_section
 from dspark.bench.run import BenchConfig, run_bench
 from dspark.target import Target
@@ -154,3 +154,66 @@ def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp
     assert "| **all** | 100.00 | 40.00 (τ 1.00) | 40.00 (τ 2.00) | 40.00 (τ 2.00) | 0.40x |" in text
     assert "llama.cpp Q4_1 dspark p>=0.5: NO" in text and "llama.cpp float32: 0 of 2 prompts" in text
     assert llama_cpp_plot(run, tmp_path / "llama-cpp.png").stat().st_size > 0
+
+
+# ---- bench-signal: teacher-forced acceptance against real decoding ---------------------------------------------------
+@pytest.fixture(scope="module")
+def trained_tiny_drafter(tiny_run, tmp_path_factory):
+    """A tiny drafter trained for 20 steps: it accepts 0, 1 and 2 drafts in a round, so every path of a walk runs."""
+    from test_training import tiny_config
+
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    run = tmp_path_factory.mktemp("signal") / "run"
+    train(tiny_config(folder, data, run, max_steps=20, save_every=20), progress=False)
+    return folder, data, run / "checkpoint"
+
+
+def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter):
+    """Training's view of the drafter (the training forward on finished text) at the anchors decoding visits gives,
+    round by round, what the engine accepted: the check that training and inference see the same drafter."""
+    from dspark.bench.signal import along_rounds, every_position
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.policy import FixedLength
+    from dspark.drafter import load_drafter
+    from dspark.training.data import Example
+
+    folder, _, checkpoint = trained_tiny_drafter
+    target = Target.load(str(folder))
+    drafter = load_drafter(checkpoint, target).eval()
+    prompts = [[1, 7, 9, 3, 1], [1, 44, 3, 1], [1, 12, 50, 3, 1]]
+    results = SpeculativeEngine(target, drafter, FixedLength()).generate(prompts, 30, stop_token_ids=set())
+    seen = set()
+    for prompt, result in zip(prompts, results):
+        answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
+        walked = along_rounds(drafter, target, answer, 30)
+        # the prefill says the first of the 30 tokens; the rounds the other 29
+        assert walked.accepted_hist == result.stats.accepted_hist and walked.tokens == result.stats.tokens == 29
+        seen |= {k for k, n in enumerate(walked.accepted_hist) if n}
+        # every position: one anchor per answer token with a whole block after it
+        assert every_position(drafter, target, [answer]).rounds == 30 - drafter.block_size
+    assert {0, 1, 2} <= seen
+
+
+def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, capsys):
+    from conftest import run_cli
+
+    folder, data, checkpoint = trained_tiny_drafter
+    evalset = tmp_path / "evalset.jsonl"
+    evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}"]}) + "\n" for i in range(3)))
+    code, err = run_cli(capsys, "bench-signal", "--model", folder, "--dtype", "float32", "--drafter", checkpoint,
+                        "--data", data, "--holdout", 0.1, "--examples", 4, "--datasets", evalset,
+                        "--prompts-per-set", 2, "--max-new-tokens", 16, "--out", tmp_path / "out",
+                        "--markdown", tmp_path / "B.md")
+    assert code == 0, err
+    run = json.loads((tmp_path / "out" / "signal.json").read_text())
+    rows = {r["slice"]: r for r in run["rows"]}
+    assert set(rows) == {"train", "held-out", "evalset"}
+    assert rows["evalset"]["rounds_tau"] == rows["evalset"]["real_tau"] and rows["evalset"]["real_rounds"] > 0
+    assert all(rows[s]["anchors"] > 0 and 1 <= rows[s]["tf_tau"] <= 5 for s in rows)
+    md = (tmp_path / "B.md").read_text()
+    assert "## signal: training signal by position" in md and "| evalset | target's answers |" in md
+    assert (tmp_path / "out" / "signal.png").stat().st_size > 0
+    refused(capsys, "--holdout is a share", "bench-signal", "--model", folder, "--dtype", "float32", "--drafter",
+            checkpoint, "--holdout", 1.5)

@@ -418,6 +418,26 @@ def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
     assert [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, 20)] == expected
 
 
+def test_online_q_scores_repeated_positions_once_and_answers_each_pair(target, monkeypatch):
+    """Overlapping blocks ask for the same position many times; each asked (row, position) still gets its own q."""
+    from dspark.training.data import Example
+    from dspark.training.features import OnlineFeatures
+
+    examples = [Example(list(range(10, 22)), [0] * 4 + [1] * 8), Example(list(range(30, 39)), [0] * 3 + [1] * 6)]
+    batch = OnlineFeatures(target, 5)(examples)
+    scored = []
+    original = target.logits_from_hidden
+    monkeypatch.setattr(target, "logits_from_hidden", lambda h: scored.append(len(h)) or original(h))
+    rows = torch.tensor([0, 1, 0, 0, 1, 1, 0])
+    positions = torch.tensor([5, 3, 5, 7, 3, 8, 4])
+    q = batch.target_dist(rows, positions)
+    assert sum(scored) == 5  # (0,5) (1,3) (0,7) (1,8) (0,4)
+    for i, (r, p) in enumerate(zip(rows.tolist(), positions.tolist())):
+        alone = batch.target_dist(torch.tensor([r]), torch.tensor([p]))
+        torch.testing.assert_close(q.probs[i], alone.probs[0])
+        assert torch.equal(q.ids[i], alone.ids[0])
+
+
 def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, tmp_path):
     from dspark.drafter import load_drafter
     from dspark.target import Target

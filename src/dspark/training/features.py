@@ -65,12 +65,16 @@ class OnlineFeatures:
         hidden = out.last_hidden
 
         def q_at(rows, positions):
+            # Overlapping blocks ask for the same position up to γ times: score each (row, position) once, since
+            # the LM head over the whole vocabulary is the costliest part of a training step's target work.
+            unique, inverse = torch.unique(rows * hidden.shape[1] + positions, return_inverse=True)
+            rows, positions = unique // hidden.shape[1], unique % hidden.shape[1]
             parts = []
             for s in range(0, len(rows), self.chunk):
                 h = hidden[rows[s : s + self.chunk], positions[s : s + self.chunk]]
                 parts.append(distribution(self.target.logits_from_hidden(h), self.topk))
-            ids_ = None if parts[0].ids is None else torch.cat([p.ids for p in parts])
-            return TargetDist(torch.cat([p.probs for p in parts]), ids_)
+            ids_ = None if parts[0].ids is None else torch.cat([p.ids for p in parts])[inverse]
+            return TargetDist(torch.cat([p.probs for p in parts])[inverse], ids_)
 
         return TargetBatch(ids, mask, out.features, q_at)
 

@@ -1,0 +1,146 @@
+"""`dspark bench-signal`: where a drafter's acceptance is lost, position by position.
+
+Every slice is text the target itself wrote: some training records, the held-out records, and the target's own
+greedy answers to evaluation prompts. The drafter is run teacher-forced at every answer position of each (what
+training optimises), and the evaluation prompts are also decoded for real. Read together:
+- teacher-forced at every position, training vs held-out: equal means the drafter underfits (more optimisation
+  helps), training far above held-out means it overfits (more data helps);
+- teacher-forced along the rounds greedy decoding takes (each anchor one past the last accepted draft) must equal
+  real decoding: a difference is a train/inference mismatch (features, masks, precision), not a data problem;
+- every position vs along the rounds: decoding anchors right after a rejected draft, where the text is hardest.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dspark.bench.report import _save
+from dspark.decoding.engine import SpeculativeEngine
+from dspark.decoding.policy import FixedLength
+from dspark.decoding.stats import SpecStats
+from dspark.training.anchors import anchor_candidates
+from dspark.training.data import Example
+
+
+@torch.no_grad()
+def leading_runs(drafter, target, example: Example) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each answer position p taken as an anchor (p and p+1 in the answer): how many drafts in a row equal the
+    text after p, and whether all γ of them lie inside the answer. Returns (anchors [A], runs [A], full [A])."""
+    ids = torch.tensor([example.input_ids])
+    mask = torch.tensor([example.loss_mask])
+    anchors = anchor_candidates(mask)[0].nonzero()[:, 0]
+    features = target.forward_sequences(ids, logits=False, features=drafter.target_layer_ids).features
+    out = drafter(features, ids, anchors[None])
+    guess = out.logits[0].argmax(-1)
+    guess = guess if drafter.d2t is None else drafter.d2t[guess]
+    label_pos = anchors[:, None] + torch.arange(1, drafter.block_size + 1)
+    inside = (label_pos < ids.shape[1]) & mask[0].bool()[label_pos.clamp(max=ids.shape[1] - 1)]
+    runs = ((guess == out.labels[0]) & inside).long().cumprod(-1).sum(-1)
+    return anchors, runs, inside.all(-1)
+
+
+def every_position(drafter, target, examples: list[Example]) -> SpecStats:
+    """Teacher-forced acceptance over every anchor whose whole block lies inside the answer (γ verified)."""
+    stats = SpecStats(drafter.block_size)
+    for example in examples:
+        _, runs, full = leading_runs(drafter, target, example)
+        for run in runs[full].tolist():
+            stats.record(drafter.block_size, run)
+    return stats
+
+
+def along_rounds(drafter, target, example: Example, max_new_tokens: int) -> SpecStats:
+    """Teacher-forced acceptance at the anchors greedy decoding at a fixed γ visits: the first answer token, then one
+    past each round's accepted drafts, never verifying past max_new_tokens (the engine's rule)."""
+    anchors, runs, _ = leading_runs(drafter, target, example)
+    run_at = dict(zip(anchors.tolist(), runs.tolist()))
+    first = example.loss_mask.index(1)
+    stats = SpecStats(drafter.block_size)
+    produced = 1  # the first answer token comes from the prefill
+    while produced < max_new_tokens:
+        verified = min(drafter.block_size, max_new_tokens - produced - 1)
+        accepted = min(run_at[first + produced - 1], verified)
+        stats.record(verified, accepted)
+        produced += accepted + 1
+    return stats
+
+
+def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: dict[str, list[list[int]]],
+                  max_new_tokens: int, progress=print) -> list[dict]:
+    """One row per slice: teacher-forced τ and acceptance by position at every position; for evaluation prompts also
+    along the decoding rounds and in real greedy decoding (float32 output of the engine, no stop tokens, so every
+    answer runs to max_new_tokens and the rounds are comparable one to one)."""
+    rows = []
+    for name, examples in slices.items():
+        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(drafter, target,
+                                                                                                    examples)))
+        progress(rows[-1])
+    engine = SpeculativeEngine(target, drafter, FixedLength())
+    for name, ids in prompts.items():
+        real, walked, answers = SpecStats(drafter.block_size), SpecStats(drafter.block_size), []
+        for prompt, result in zip(ids, engine.generate(ids, max_new_tokens, stop_token_ids=set())):
+            real = real.merge(result.stats)
+            answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
+            walked = walked.merge(along_rounds(drafter, target, answer, max_new_tokens))
+            answers.append(answer)
+        rows.append(row(name, "target's answers", every_position(drafter, target, answers),
+                        rounds=walked, real=real))
+        progress(rows[-1])
+    return rows
+
+
+def row(name: str, kind: str, tf: SpecStats, rounds: SpecStats | None = None, real: SpecStats | None = None) -> dict:
+    out = {"slice": name, "text": kind, "anchors": tf.rounds, "tf_tau": round(tf.tau, 4),
+           "tf_accept_by_position": [None if p is None else round(p, 4) for p in tf.accept_by_position()]}
+    for key, stats in (("rounds", rounds), ("real", real)):
+        if stats is not None:
+            out[f"{key}_tau"] = round(stats.tau, 4)
+            out[f"{key}_accept_1"] = round(stats.accept_by_position()[0] or 0.0, 4)
+            out[f"{key}_rounds"] = stats.rounds
+    return out
+
+
+def signal_section(run: dict, command: str, plot: str, name: str = "signal") -> str:
+    def cell(x):
+        return "–" if x is None else f"{x:.2f}"
+
+    m = run["machine"]
+    machine = (f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
+               f"{', '.join(m['cpu_flags']) or 'n/a'}; target {run['dtype']}; drafter `{run['drafter']}`.")
+    legend = ("τ = 1 + accepted drafts per round (greedy, fixed γ). *Teacher-forced*: the drafter on the text at every "
+              "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits; "
+              "*real*: decoded by the engine. In float32, along rounds must equal real (else training and inference "
+              "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits.")
+    header = ("| slice | text | anchors | teacher-forced τ | accept pos 1 / 2 / 3 (teacher-forced) | along rounds τ "
+              "| real τ | real accept pos 1 |")
+    out = [f"## {name}: training signal by position", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```",
+           "", machine, "", legend, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in run["rows"]:
+        acc = " / ".join(cell(p) for p in r["tf_accept_by_position"][:3])
+        out.append(f"| {r['slice']} | {r['text']} | {r['anchors']} | {r['tf_tau']:.2f} | {acc} | "
+                   f"{cell(r.get('rounds_tau'))} | {cell(r.get('real_tau'))} | {cell(r.get('real_accept_1'))} |")
+    out += ["", f"![acceptance by position]({plot})", ""]
+    return "\n".join(out)
+
+
+def signal_plot(rows: list[dict], path: Path) -> Path:
+    """Teacher-forced acceptance by draft position, one line per slice."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in rows:
+        acc = r["tf_accept_by_position"]
+        ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o",
+                linestyle="-" if r["text"] == "target's answers" else "--", label=f"{r['slice']} (τ {r['tf_tau']:.2f})")
+    ax.set_xlabel("draft position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Teacher-forced acceptance by position")
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return _save(fig, path)
