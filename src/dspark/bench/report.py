@@ -166,7 +166,7 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
         ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
                title=f"Acceptance by position ({dtype}, {'greedy' if temp == 0 else f'T={temp}'})")
         ax.legend()
-        paths["acceptance by position"] = _save(fig, folder / f"{prefix}-acceptance.png")
+        paths["acceptance by position"] = save_figure(fig, folder / f"{prefix}-acceptance.png")
 
         fig, ax = plt.subplots(figsize=(7, 4))
         width = 0.8 / len(drafters)
@@ -176,7 +176,7 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
         ax.set_xticks([j + width * (len(drafters) - 1) / 2 for j in range(len(datasets))], datasets)
         ax.set(ylabel="τ (accepted per round, bonus included)", title="τ per dataset")
         ax.legend()
-        paths["tau per dataset"] = _save(fig, folder / f"{prefix}-tau.png")
+        paths["tau per dataset"] = save_figure(fig, folder / f"{prefix}-tau.png")
 
     methods = [m for m in dict.fromkeys(r["method"] for r in rows) if m != "plain"]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -188,11 +188,11 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))], datasets)
     ax.set(ylabel="tokens/s relative to plain decoding", title=f"Speed-up ({dtype}, batch 1)")
     ax.legend(fontsize=8)
-    paths["speed-up"] = _save(fig, folder / f"{prefix}-speedup.png")
+    paths["speed-up"] = save_figure(fig, folder / f"{prefix}-speedup.png")
     return paths
 
 
-def _save(fig, path: Path) -> Path:
+def save_figure(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     import matplotlib.pyplot as plt
@@ -232,7 +232,7 @@ def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
-    _save(fig, path)
+    save_figure(fig, path)
     return curves
 
 
@@ -331,7 +331,7 @@ def engine_plot(run: dict, path: Path) -> Path:
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def serve_section(run: dict, command: str, plot: str) -> str:
@@ -381,7 +381,7 @@ def serve_plot(rows: list[dict], path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def _llama_cells(run: dict, dataset: str | None, runtime: str, method: str) -> tuple[float | None, float | None]:
@@ -452,4 +452,4 @@ def llama_cpp_plot(run: dict, path: Path) -> Path:
         ax.set_title(runtime, fontsize=9)
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("tokens/s")
-    return _save(fig, path)
+    return save_figure(fig, path)

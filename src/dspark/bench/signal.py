@@ -7,7 +7,8 @@ training optimises), and the evaluation prompts are also decoded for real. Read 
   helps), training far above held-out means it overfits (more data helps);
 - teacher-forced along the rounds greedy decoding takes (each anchor one past the last accepted draft) must equal
   real decoding: a difference is a train/inference mismatch (features, masks, precision), not a data problem;
-- every position vs along the rounds: decoding anchors right after a rejected draft, where the text is hardest.
+- every position vs along the rounds: an easy stretch goes in a few long rounds while each hard token costs a
+  round of its own, so decoding's rounds are dominated by the hard positions.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench.report import _save
+from dspark.bench.report import save_figure
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.stats import SpecStats
@@ -25,7 +26,7 @@ from dspark.training.data import Example
 
 
 @torch.no_grad()
-def leading_runs(drafter, target, example: Example) -> tuple[torch.Tensor, torch.Tensor]:
+def leading_runs(drafter, target, example: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each answer position p taken as an anchor (p and p+1 in the answer): how many drafts in a row equal the
     text after p, and whether all γ of them lie inside the answer. Returns (anchors [A], runs [A], full [A])."""
     ids = torch.tensor([example.input_ids])
@@ -143,4 +144,4 @@ def signal_plot(rows: list[dict], path: Path) -> Path:
     ax.set_title("Teacher-forced acceptance by position")
     ax.legend(fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
-    return _save(fig, path)
+    return save_figure(fig, path)

@@ -65,8 +65,8 @@ class OnlineFeatures:
         hidden = out.last_hidden
 
         def q_at(rows, positions):
-            # Overlapping blocks ask for the same position up to γ times: score each (row, position) once, since
-            # the LM head over the whole vocabulary is the costliest part of a training step's target work.
+            # Overlapping blocks ask for the same position up to γ times: score each (row, position) once (scored
+            # per pair, the full-vocabulary LM head took about a fifth of a training step).
             unique, inverse = torch.unique(rows * hidden.shape[1] + positions, return_inverse=True)
             rows, positions = unique // hidden.shape[1], unique % hidden.shape[1]
             parts = []
