@@ -173,7 +173,7 @@ def trained_tiny_drafter(tiny_run, tmp_path_factory):
 def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter):
     """Training's view of the drafter (the training forward on finished text) at the anchors decoding visits gives,
     round by round, what the engine accepted: the check that training and inference see the same drafter."""
-    from dspark.bench.signal import along_rounds, every_position
+    from dspark.bench.signal import along_rounds, every_position, leading_runs
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policy import FixedLength
     from dspark.drafter import load_drafter
@@ -187,12 +187,13 @@ def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter)
     seen = set()
     for prompt, result in zip(prompts, results):
         answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
-        walked = along_rounds(drafter, target, answer, 30)
+        scored = leading_runs(drafter, target, answer)
+        walked = along_rounds(scored, drafter.block_size, 30)
         # the prefill says the first of the 30 tokens; the rounds the other 29
         assert walked.accepted_hist == result.stats.accepted_hist and walked.tokens == result.stats.tokens == 29
         seen |= {k for k, n in enumerate(walked.accepted_hist) if n}
         # every position: one anchor per answer token with a whole block after it
-        assert every_position(drafter, target, [answer]).rounds == 30 - drafter.block_size
+        assert every_position([scored], drafter.block_size).rounds == 30 - drafter.block_size
     assert {0, 1, 2} <= seen
 
 

@@ -13,6 +13,7 @@ training optimises), and the evaluation prompts are also decoded for real. Read 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +26,19 @@ from dspark.training.anchors import anchor_candidates
 from dspark.training.data import Example
 
 
+@dataclass
+class LeadingRuns:
+    """A finished answer scored teacher-forced at every anchor: how many drafts in a row equal the text after it."""
+
+    first: int  # position of the answer's first token
+    anchors: torch.Tensor  # [A] positions p with p and p+1 in the answer
+    runs: torch.Tensor  # [A] leading run of drafts equal to the text after p
+    full: torch.Tensor  # [A] all γ labels after p lie inside the answer
+
+
 @torch.no_grad()
-def leading_runs(drafter, target, example: Example) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For each answer position p taken as an anchor (p and p+1 in the answer): how many drafts in a row equal the
-    text after p, and whether all γ of them lie inside the answer. Returns (anchors [A], runs [A], full [A])."""
+def leading_runs(drafter, target, example: Example) -> LeadingRuns:
+    """One target forward and one drafter forward over the whole example, every answer position an anchor."""
     ids = torch.tensor([example.input_ids])
     mask = torch.tensor([example.loss_mask])
     anchors = anchor_candidates(mask)[0].nonzero()[:, 0]
@@ -39,30 +49,27 @@ def leading_runs(drafter, target, example: Example) -> tuple[torch.Tensor, torch
     label_pos = anchors[:, None] + torch.arange(1, drafter.block_size + 1)
     inside = (label_pos < ids.shape[1]) & mask[0].bool()[label_pos.clamp(max=ids.shape[1] - 1)]
     runs = ((guess == out.labels[0]) & inside).long().cumprod(-1).sum(-1)
-    return anchors, runs, inside.all(-1)
+    return LeadingRuns(example.loss_mask.index(1), anchors, runs, inside.all(-1))
 
 
-def every_position(drafter, target, examples: list[Example]) -> SpecStats:
+def every_position(scored: list[LeadingRuns], gamma: int) -> SpecStats:
     """Teacher-forced acceptance over every anchor whose whole block lies inside the answer (γ verified)."""
-    stats = SpecStats(drafter.block_size)
-    for example in examples:
-        _, runs, full = leading_runs(drafter, target, example)
-        for run in runs[full].tolist():
-            stats.record(drafter.block_size, run)
+    stats = SpecStats(gamma)
+    for answer in scored:
+        for run in answer.runs[answer.full].tolist():
+            stats.record(gamma, run)
     return stats
 
 
-def along_rounds(drafter, target, example: Example, max_new_tokens: int) -> SpecStats:
+def along_rounds(scored: LeadingRuns, gamma: int, max_new_tokens: int) -> SpecStats:
     """Teacher-forced acceptance at the anchors greedy decoding at a fixed γ visits: the first answer token, then one
     past each round's accepted drafts, never verifying past max_new_tokens (the engine's rule)."""
-    anchors, runs, _ = leading_runs(drafter, target, example)
-    run_at = dict(zip(anchors.tolist(), runs.tolist()))
-    first = example.loss_mask.index(1)
-    stats = SpecStats(drafter.block_size)
+    run_at = dict(zip(scored.anchors.tolist(), scored.runs.tolist()))
+    stats = SpecStats(gamma)
     produced = 1  # the first answer token comes from the prefill
     while produced < max_new_tokens:
-        verified = min(drafter.block_size, max_new_tokens - produced - 1)
-        accepted = min(run_at[first + produced - 1], verified)
+        verified = min(gamma, max_new_tokens - produced - 1)
+        accepted = min(run_at[scored.first + produced - 1], verified)
         stats.record(verified, accepted)
         produced += accepted + 1
     return stats
@@ -73,21 +80,20 @@ def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: di
     """One row per slice: teacher-forced τ and acceptance by position at every position; for evaluation prompts also
     along the decoding rounds and in real greedy decoding (float32 output of the engine, no stop tokens, so every
     answer runs to max_new_tokens and the rounds are comparable one to one)."""
-    rows = []
+    gamma, rows = drafter.block_size, []
     for name, examples in slices.items():
-        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(drafter, target,
-                                                                                                    examples)))
+        scored = [leading_runs(drafter, target, e) for e in examples]
+        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(scored, gamma)))
         progress(rows[-1])
     engine = SpeculativeEngine(target, drafter, FixedLength())
     for name, ids in prompts.items():
-        real, walked, answers = SpecStats(drafter.block_size), SpecStats(drafter.block_size), []
+        real, walked, scored = SpecStats(gamma), SpecStats(gamma), []
         for prompt, result in zip(ids, engine.generate(ids, max_new_tokens, stop_token_ids=set())):
             real = real.merge(result.stats)
             answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
-            walked = walked.merge(along_rounds(drafter, target, answer, max_new_tokens))
-            answers.append(answer)
-        rows.append(row(name, "target's answers", every_position(drafter, target, answers),
-                        rounds=walked, real=real))
+            scored.append(leading_runs(drafter, target, answer))
+            walked = walked.merge(along_rounds(scored[-1], gamma, max_new_tokens))
+        rows.append(row(name, "target's answers", every_position(scored, gamma), rounds=walked, real=real))
         progress(rows[-1])
     return rows
 
@@ -143,5 +149,4 @@ def signal_plot(rows: list[dict], path: Path) -> Path:
     ax.set_ylim(0, 1)
     ax.set_title("Teacher-forced acceptance by position")
     ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
     return save_figure(fig, path)
