@@ -181,7 +181,12 @@ def check_policy_args(args) -> None:
     if args.cost_table and (args.verify_length is not None or args.confidence_threshold is not None):
         raise DSparkError("--cost-table schedules verification; it cannot be combined with --verify-length or "
                           "--confidence-threshold")
-    for name in ("cost_table", "calibration"):
+    check_given_files(args, ("cost_table", "calibration"))
+
+
+def check_given_files(args, names) -> None:
+    """Each of these optional file arguments, when given, names an existing file."""
+    for name in names:
         if getattr(args, name) and not Path(getattr(args, name)).is_file():
             raise DSparkError(f"--{name.replace('_', '-')} {getattr(args, name)} does not exist")
 
@@ -292,13 +297,16 @@ def cmd_demo(args) -> int:
     from dspark.drafter import load_drafter
     from dspark.scheduling.planner import build_scheduler
 
+    if args.fixed and args.cost_table:
+        raise DSparkError("--cost-table is for the scheduler and --fixed turns it off; pass one of them")
     drafter_path = args.drafter or shipped_drafter(args.model)
     check_drafter_arg(drafter_path)
+    check_given_files(args, ("cost_table",))
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
-        policy = build_scheduler(target, drafter_path)
+        policy = build_scheduler(target, drafter_path, args.cost_table)
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
           f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)
@@ -829,6 +837,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--per-set", type=positive_int, default=1)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--fixed", action="store_true", help="verify all γ draft tokens every round (no scheduler)")
+    p.add_argument("--cost-table", help="cost table JSON (`dspark profile`) for the scheduler instead of this "
+                                        "machine's (profiled once, cached)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("bench", help="τ, speed, agreement and memory of every method, side by side")
