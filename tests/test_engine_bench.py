@@ -41,12 +41,17 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path):
     assert precision.choose_precision("tiny", load) == choice and len(loads) == 2  # cached per machine
 
 
-def test_engine_bench_reports_every_engine(tiny_run, tmp_path):
+def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     from dspark.bench.engine import run_engine_bench
     from dspark.bench.report import engine_plot, engine_section
     from dspark.bench.run import machine_info
     from dspark.target import Target
 
+    def transposed(self, repeats=3):  # as on a machine where the transposed few-row form measured faster
+        self.decoder.few_rows_transposed = True
+        return self
+
+    monkeypatch.setattr(Target, "choose_few_row_form", transposed)
     folder, _ = tiny_run
     target = Target.load(str(folder))
     tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
@@ -56,7 +61,7 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path):
                            context=8, repeats=1, bandwidth_gib=0.01, progress=lambda _: None)
     assert run["llama_cpp"] is None  # a local folder ships no GGUF
     engines = {r["engine"] for r in run["forward"]}
-    assert engines == {"ours", "hf", "bandwidth bound"}
+    assert engines == {"ours", "ours, F.linear on few rows", "hf", "bandwidth bound"}  # the replaced form beside
     row = run["decode"][0]
     assert row["ours"] > 0 and row["hf"] > 0 and row["dspark identical"] and row["dspark+sched identical"]
     run.update(machine=machine_info(), when="now", command="dspark bench-engine")

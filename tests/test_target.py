@@ -143,3 +143,44 @@ def test_real_target_features_equal_hf(real_target):
     torch.testing.assert_close(out.features, torch.cat([hf.hidden_states[i + 1] for i in real_target.layer_ids], -1),
                                rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(out.logits, hf.logits.float(), rtol=1e-5, atol=1e-4)
+
+
+def test_few_row_products_in_either_form_agree(tmp_path, monkeypatch):
+    """The transposed form of few-row products (used where the machine runs it faster) computes what F.linear does:
+    a verify of a few tokens gives the same logits in both forms and speculative greedy output stays identical to
+    plain decoding. Which form is faster is measured once per machine and read from the cache afterwards."""
+    import json
+
+    from conftest import tiny_drafter
+    from dspark.decoder import FEW_ROWS, linear
+    from dspark.decoding.engine import SpeculativeEngine
+
+    w, b = torch.randn(48, 32), torch.randn(48)
+    for rows in (1, 2, 5, FEW_ROWS, FEW_ROWS + 1):
+        x = torch.randn(rows, 1, 32)
+        torch.testing.assert_close(linear(x, w, b, few_rows_transposed=True), torch.nn.functional.linear(x, w, b))
+
+    target = tiny_target(eos=7)
+    ids = torch.randint(0, 90, (1, 16))
+    outputs = []
+    for form in (False, True):
+        target.decoder.few_rows_transposed = form
+        cache = target.new_cache(1)
+        target.forward(cache, ids[:, :12])
+        outputs.append(target.forward(cache, ids[:, 12:]).logits)
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
+    prompts = [torch.randint(8, 90, (n,)).tolist() for n in (6, 3, 11)]
+    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=4))
+    assert [r.token_ids for r in engine.generate(prompts, 30)] == [
+        r.token_ids for r in generate_plain(target, prompts, 30)]
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target.choose_few_row_form(repeats=1)
+    [saved] = (tmp_path / "kernels").glob("tiny-97-0-float32-*.json")
+    measured = json.loads(saved.read_text())
+    assert set(measured["verify_4_and_8_ms"]) == {"linear", "transposed"}
+    saved.write_text(json.dumps({"few_rows_transposed": not measured["few_rows_transposed"]}))
+    assert target.choose_few_row_form().decoder.few_rows_transposed != measured["few_rows_transposed"]  # cached
+    saved.write_text("{torn")
+    target.choose_few_row_form(repeats=1)  # a damaged record is measured again
+    assert "verify_4_and_8_ms" in json.loads(saved.read_text())

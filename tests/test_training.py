@@ -142,6 +142,9 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
     mine = {r["id"]: r["messages"] for r in records}
     assert len(mine) == len(records)
     assert all(mine[r["id"]] == r["messages"] for r in other if r["id"] in mine)
+    # a mix of one source gives only that source (a source left out is asked for none, not for all it has)
+    only, report = build_prompts(50, 2, default_eval_dir(), {"assist": 1.0})
+    assert {r["source"] for r in only} == {"assist"} and report["counts"]["code"] == 0
     with pytest.raises(DSparkError, match="unknown prompt source"):
         build_prompts(10, 0, default_eval_dir(), {"poetry": 1.0})
 

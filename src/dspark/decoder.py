@@ -9,6 +9,8 @@ batch is not ragged and carries one token, and the LM head runs only where the c
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
@@ -60,14 +62,25 @@ class Int8Weight:
         self.scale = scale.to(weight.dtype)
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a float or an int8 weight."""
+# Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
+# by shape, and where its few-row matrix-matrix kernel is slow (MKL on an AVX2-only AMD EPYC: 2-8 rows took 1.6-3x the
+# time of one), the transposed product streams the weight once at about one row's cost. Target.choose_few_row_form
+# measures which form is faster on the machine.
+FEW_ROWS = 16
+
+
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False
+           ) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a float or an int8 weight; few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ."""
+    rows = x.numel() // x.shape[-1]
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
-    elif weight.dtype == torch.bfloat16 and x.numel() == x.shape[-1]:
+    elif weight.dtype == torch.bfloat16 and rows == 1:
         # One bfloat16 row (a plain decode step): the matrix-vector kernel streams the weight 1.4-1.7x faster than
         # the matrix-matrix one on the CPUs measured (docs in BENCHMARKS.md, engine section).
         out = torch.mv(weight, x.reshape(-1))
+    elif few_rows_transposed and 2 <= rows <= FEW_ROWS:
+        out = (weight @ x.reshape(rows, -1).T).T
     else:
         return F.linear(x, weight, bias)
     out = out.view(*x.shape[:-1], -1)
@@ -135,6 +148,7 @@ class LeanDecoder:
                 q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
                 k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
             ))
+        self.few_rows_transposed = False  # set by Target.choose_few_row_form, which measures it
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matrix of every layer (the embedding lookup stays as it is). The HF model keeps
@@ -169,12 +183,13 @@ class LeanDecoder:
                 for t in set(self.layer_types)}
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         norm, eps = self.norm, self.eps
+        project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed)
         wanted, captured = set(capture), {}
         for i, p in enumerate(self.layers):
             cos, sin = rope[self.layer_types[i]]
             mask = masks[self.layer_types[i]]
             h = norm(x, p["in_norm"], eps)
-            q, k, v = linear(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = project(h, p["qkv_w"], p["qkv_b"]).split([q_size, kv_size, kv_size], dim=-1)
             q, k, v = (t.view(batch, width, -1, self.head_dim) for t in (q, k, v))
             if p["q_norm"] is not None:
                 q, k = norm(q, p["q_norm"], eps), norm(k, p["k_norm"], eps)
@@ -187,10 +202,10 @@ class LeanDecoder:
             else:
                 out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
                                                      enable_gqa=self.kv_heads != self.heads)
-            out = linear(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
+            out = project(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
             x = x + (out if p["attn_out_norm"] is None else norm(out, p["attn_out_norm"], eps))
-            gate, up = linear(norm(x, p["post_norm"], eps), p["gate_up"]).chunk(2, dim=-1)
-            out = linear(self.act(gate) * up, p["down"])
+            gate, up = project(norm(x, p["post_norm"], eps), p["gate_up"]).chunk(2, dim=-1)
+            out = project(self.act(gate) * up, p["down"])
             x = x + (out if p["mlp_out_norm"] is None else norm(out, p["mlp_out_norm"], eps))
             if i in wanted:
                 captured[i] = x

@@ -52,6 +52,16 @@ def cache_dir() -> Path:
     return Path(base) / "dspark"
 
 
+def machine_cache_file(kind: str, *key: str) -> Path:
+    """Where a measurement of this machine is kept: per kind, key (target, precision ...), thread count and host."""
+    import platform
+
+    import torch
+
+    name = "-".join(str(k).replace("/", "_").strip("_.") for k in key)
+    return cache_dir() / kind / f"{name}-t{torch.get_num_threads()}-{platform.node()}.json"
+
+
 def provisioned_path(name: str) -> Path:
     return cache_dir() / "targets" / name
 

@@ -7,6 +7,8 @@ here knows about drafting. Works for any HF causal LM whose decoder reports `hid
 
 from __future__ import annotations
 
+import json
+import time
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -16,6 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from dspark import models
 from dspark.errors import DSparkError
+from dspark.fsutil import atomic_write_json
 from dspark.decoder import Int8Weight, LeanDecoder, linear
 from dspark.kvcache import KVCache
 
@@ -99,7 +102,9 @@ class Target:
         target = cls(model.to(device), tokenizer, name=name_or_path, layer_ids=layer_ids)
         if quantize not in (None, "none", "int8"):
             raise DSparkError(f"unknown quantization '{quantize}'; use int8 (weight-only) or none")
-        return target.quantize_int8() if quantize == "int8" else target
+        if quantize == "int8":
+            return target.quantize_int8()
+        return target.choose_few_row_form() if target.device.type == "cpu" else target
 
     def validate_layer_ids(self, layer_ids: list[int]) -> None:
         for i in layer_ids:
@@ -182,9 +187,37 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.head_weight).float()
+        logits = linear(hidden, self.head_weight, few_rows_transposed=self.decoder.few_rows_transposed).float()
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
+
+    def choose_few_row_form(self, repeats: int = 3) -> Target:
+        """Run few-row products (the verify of a few drafts; see decoder.FEW_ROWS) in the form that is faster on this
+        machine: the real forward of 4 and 8 new tokens is timed in both forms once per machine, precision and
+        thread count (about a second), then read from the dspark cache."""
+        path = models.machine_cache_file("kernels", self.name, str(self.dtype).removeprefix("torch."))
+        try:
+            self.decoder.few_rows_transposed = bool(json.loads(path.read_text())["few_rows_transposed"])
+            return self
+        except (OSError, ValueError, KeyError):
+            pass  # not measured yet here (or the file is damaged): measure
+        cache = self.new_cache(1)
+        ids = torch.randint(0, min(self.vocab_size, 5000), (1, 72))
+        self.forward(cache, ids[:, :64], logits="last")
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(repeats + 1):  # forms interleaved, best of each: robust to other work on the machine
+            for form in best:
+                self.decoder.few_rows_transposed = form
+                start = time.perf_counter()
+                for n in (4, 8):
+                    self.forward(cache, ids[:, 64 : 64 + n])
+                    cache.rollback(cache.lengths - n)
+                best[form] = min(best[form], time.perf_counter() - start)
+        self.decoder.few_rows_transposed = best[True] < 0.85 * best[False]
+        atomic_write_json(path, {"few_rows_transposed": self.decoder.few_rows_transposed,
+                                 "verify_4_and_8_ms": {"linear": round(1000 * best[False], 2),
+                                                       "transposed": round(1000 * best[True], 2)}})
+        return self
 
     def quantize_int8(self) -> Target:
         """Weight-only int8 (per-channel scales) for every matrix the decode step streams, LM head included. Plain

@@ -132,6 +132,11 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
         context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
         ours = profile_target(target, counts, context, repeats)
         rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms))}
+        if target.decoder.few_rows_transposed:  # the few-row form this machine chose, beside the one it replaced
+            target.decoder.few_rows_transposed = False
+            replaced = profile_target(target, counts, context, repeats)
+            rows["ours, F.linear on few rows"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
+            target.decoder.few_rows_transposed = True
         if not quantized:  # the HF model is not quantized: nothing to compare with there
             rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
         if llm is not None and dtype == dtypes[0]:

@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dspark.fsutil import atomic_write_json
-from dspark.scheduling.profile import machine_cache_file, profile_target
+from dspark.models import machine_cache_file
+from dspark.scheduling.profile import profile_target
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 

@@ -16,6 +16,7 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_write_json
+from dspark.models import machine_cache_file
 
 
 @dataclass
@@ -89,20 +90,12 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
                       "threads": torch.get_num_threads(), "target": target.name})
 
 
-def machine_cache_file(kind: str, *key: str) -> Path:
-    """Where a measurement of this machine is kept: per kind, key (target, precision ...), thread count and host."""
-    import platform
-
-    from dspark.models import cache_dir
-
-    name = "-".join(str(k).replace("/", "_").strip("_.") for k in key)
-    return cache_dir() / kind / f"{name}-t{torch.get_num_threads()}-{platform.node()}.json"
-
-
 def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
     """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
     read from the dspark cache."""
-    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""))
+    # The few-row product form is part of the key: a table measured in the other form would be stale.
+    form = "wxt" if target.decoder.few_rows_transposed else "linear"
+    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form)
     if path.exists():
         return CostTable.load(path)
     table = profile_target(target, token_counts, repeats=repeats)

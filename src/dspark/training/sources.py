@@ -211,11 +211,11 @@ def code_prompts(rng: random.Random, count: int) -> list[list[str]]:
     pairs.sort(key=lambda fs: rng.random() / weights[fs[1]])  # weighted shuffle: more of styles 0 and 1 first
     prompts = []
     for (qual, sig, doc, src), style in pairs:
+        if len(prompts) >= count:  # checked first: a mix without code asks for none
+            break
         text = _code_prompt(style, qual, sig, doc, src, rng)
         if text:
             prompts.append([text])
-        if len(prompts) == count:
-            break
     return prompts
 
 
