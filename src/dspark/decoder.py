@@ -63,9 +63,9 @@ class Int8Weight:
 
 
 # Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
-# by shape, and where its few-row matrix-matrix kernel is slow (MKL on an AVX2-only AMD EPYC: 2-8 rows took 1.6-3x the
-# time of one), the transposed product streams the weight once at about one row's cost. Target.choose_few_row_form
-# measures which form is faster on the machine.
+# and its threading by shape. With MKL on a 2-core AVX2-only AMD EPYC, F.linear on 2-8 rows gained nothing from the
+# second thread and cost 1.6-3x one row; the transposed product used both and cost 1.1-1.3x (on one thread the two
+# tie). Target.choose_few_row_form measures which form is faster on the machine.
 FEW_ROWS = 16
 
 
