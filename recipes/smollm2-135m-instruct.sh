@@ -5,10 +5,11 @@
 # Three legs, as the shipped drafter was made: (a) 1,149 steps on the target's own (Llama) layers from the first
 # regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
-# (llama.cpp-regenerated) set appended and cross-entropy as the main loss term. By default all start from the
-# regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data
-# from scratch instead: the prompt mix, then the target's answers on both cores for REGEN_SECONDS (records arrive in
-# a machine-dependent order, so the result is similar, not identical), used by every leg.
+# (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
+# steps. By default all start from the regenerated data committed in data/ (the exact records the shipped drafter
+# saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
+# for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
+# every leg.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/recipe}
@@ -75,6 +76,10 @@ if [ ! -f "$RUN/leg3/checkpoint/trainer_state.json" ]; then
 else
   dspark train --out "$RUN/leg3" --resume --max-steps 260 --threads 2 --quiet
 fi
+# 3d. The same run resumed in its own folder (optimizer moments, data position and random state kept) for 340 more
+#     steps on the same data: the cosine schedule stretched to 600 steps, so the learning rate returns to ~3.6e-4 at
+#     step 260 and anneals again (the shipped run spent steps 261-270 on a 660-step stretch before settling on 600).
+dspark train --out "$RUN/leg3" --resume --max-steps 600 --eval-every 100 --decode-eval-every 100 --threads 2 --quiet
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
 dspark export "$RUN/leg3/checkpoint" "$OUT" --dtype bfloat16 --overwrite
