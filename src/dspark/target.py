@@ -202,7 +202,8 @@ class Target:
         except (OSError, ValueError, KeyError):
             pass  # not measured yet here (or the file is damaged): measure
         cache = self.new_cache(1)
-        ids = torch.randint(0, min(self.vocab_size, 5000), (1, 72))
+        # Its own generator: loading a model must not move the caller's random state (a seeded training run).
+        ids = torch.randint(0, min(self.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
         self.forward(cache, ids[:, :64], logits="last")
         best = {False: float("inf"), True: float("inf")}
         for _ in range(repeats + 1):  # forms interleaved, best of each: robust to other work on the machine
