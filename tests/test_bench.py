@@ -101,8 +101,14 @@ def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
     proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in proc.stdout
+    proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md"), "--section", "ab", "--title", "A/B"],
+                          capture_output=True, text=True)
+    text = (tmp_path / "B.md").read_text()
+    assert proc.returncode == 0 and "<!-- bench:ab:begin -->\n## A/B" in text and "bench:training-curves:begin" in text
     proc = subprocess.run(cmd + ["--reference", "zzz"], capture_output=True, text=True)
     assert proc.returncode == 2 and "--reference 'zzz' is not one of the --run labels" in proc.stderr
+    proc = subprocess.run(cmd + ["--section", "a b"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "must be a plain name" in proc.stderr
 
 
 FAKE_LLAMA = """#!{python}

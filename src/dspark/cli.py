@@ -67,6 +67,19 @@ def threads(text: str) -> int:
     return value
 
 
+def is_plain_name(text: str) -> bool:
+    """Letters, digits, '.', '_', '-': safe as a file name and inside a markdown section marker."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", text) is not None
+
+
+def section_name(text: str) -> str:
+    if not is_plain_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a plain name (letters, digits, '.', '_', '-')")
+    return text
+
+
 def finite_float(text: str) -> float:
     import math
 
@@ -341,12 +354,10 @@ def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:
 
 def check_bench_args(args, drafters) -> Path:
     """A benchmark's drafters, evaluation sets and output paths, refused before any model loads. Returns --out."""
-    import re
-
     from dspark.assets import eval_path
 
     name = getattr(args, "name", "x")
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", name):
+    if not is_plain_name(name):
         raise DSparkError(f"--name {name!r} must be a plain name (letters, digits, '.', '_', '-'): it names the "
                           "result files inside --out and a section of the markdown file")
     for path in drafters:
@@ -679,11 +690,11 @@ def cmd_curves(args) -> int:
     markdown = Path(args.markdown) if args.markdown else None
     plot = os.path.relpath(args.out, markdown.parent) if markdown else str(args.out)
     table = curves_table(curves, reference, "dspark " + shlex.join(sys.argv[1:]), plot, args.at_tokens,
-                         args.at_minutes * 60 if args.at_minutes else None)
+                         args.at_minutes * 60 if args.at_minutes else None, args.title)
     print(table)
     if markdown:
-        write_section(markdown, "training-curves", table)
-        print(f"dspark: wrote {args.out} and the training-curves section of {markdown}", file=sys.stderr)
+        write_section(markdown, args.section, table)
+        print(f"dspark: wrote {args.out} and the {args.section} section of {markdown}", file=sys.stderr)
     return 0
 
 
@@ -980,6 +991,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--markdown", help="also write the comparison table as a section of this file (BENCHMARKS.md)")
     p.add_argument("--at-tokens", type=finite_float, help="compare at this many training tokens (default: the furthest common)")
     p.add_argument("--at-minutes", type=finite_float, help="compare at this training time (default: the furthest common)")
+    p.add_argument("--section", default="training-curves", type=section_name,
+                   help="name of the --markdown section to write (others are kept)")
+    p.add_argument("--title", default="Training curves: drafters trained alike", help="heading of that section")
     p.set_defaults(func=cmd_curves)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")

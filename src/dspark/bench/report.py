@@ -246,7 +246,8 @@ def curve_at(points: list[dict], key: str, value: float) -> float | None:
 
 
 def curves_table(curves: dict[str, list[dict]], reference: str, command: str, plot: str,
-                 tokens: float | None = None, seconds: float | None = None) -> str:
+                 tokens: float | None = None, seconds: float | None = None,
+                 title: str = "Training curves: drafters trained alike") -> str:
     """Markdown: every run's held-out τ at the same training tokens and at the same wall time (by default the
     furthest point all runs reached), beside the reference run's (the paper's 'trained alike' comparison)."""
     runs = {label: pts for label, pts in curves.items() if pts}
@@ -256,10 +257,10 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
     ref_tok, ref_sec = at[reference]
     fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"  # noqa: E731
-    out = ["## Training curves: drafters trained alike", "", "Reproduce with:", "", "```bash", command, "```", "",
+    out = [f"## {title}", "", "Reproduce with:", "", "```bash", command, "```", "",
            "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data,",
            f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
-           "evaluations, every 100 steps; – where a run has no evaluation around that point).", "",
+           "evaluations; – where a run has no evaluation around that point).", "",
            f"| run | steps | τ at {tokens / 1e3:.0f}k tokens | {reference} ÷ run | τ at {seconds / 60:.0f} min | "
            f"{reference} ÷ run | final τ (step, minutes) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for label, pts in runs.items():
