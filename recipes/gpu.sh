@@ -17,8 +17,8 @@ DATA="$RUN/train.jsonl"
 
 TRAIN=(--data "$DATA" --out "$RUN/drafter" --preset dspark --backbone qwen3 --target-dtype bfloat16
        --num-draft-layers "${LAYERS:-2}" --markov-rank "${RANK:-64}" --draft-vocab-size 8192 --target-topk 32
-       --num-anchors 256 --batch-size "${BATCH:-16}" --lr 1e-3 --epochs "${EPOCHS:-10}" --device auto --markov-init bigram
-       --feature-cache "$RUN/features" --eval-every 100 --save-every 100 --quiet)
+       --num-anchors 256 --batch-size "${BATCH:-16}" --lr 1e-3 --epochs "${EPOCHS:-10}" --device auto
+       --markov-init bigram --feature-cache "$RUN/features" --eval-every 100 --save-every 100 --quiet)
 if [ -f "$RUN/drafter/checkpoint/trainer_state.json" ]; then
   TRAIN=(--out "$RUN/drafter" --resume --device auto --epochs "${EPOCHS:-10}" --quiet)
 fi
