@@ -2,12 +2,12 @@
 the calibration prompts (calibration must see text the drafter was not trained on), join into one training file
 without id clashes, and belong to the shipped target."""
 
-import gzip
 import json
 from pathlib import Path
 
 from dspark.assets import EVAL_DIR
-from dspark.training.sources import _shingles, eval_shingles
+from dspark.fsutil import read_jsonl
+from dspark.training.sources import eval_shingles, overlaps
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTER_CONFIG = ROOT / "src/dspark/data/drafters/smollm2-135m-instruct/config.json"
@@ -18,14 +18,13 @@ def committed_records():
     files = sorted((ROOT / "data").glob("smollm2-135m-instruct-regen*.jsonl.gz"))
     assert len(files) >= 4, files
     for path in files:
-        with gzip.open(path, "rt") as f:
-            for line in f:
-                yield path.name, json.loads(line)
+        for record in read_jsonl(path):
+            yield path.name, record
 
 
 def test_committed_data_is_clean_and_joins_into_one_file():
     forbidden = eval_shingles(EVAL_DIR)
-    calibration = {json.loads(line)["messages"][0]["content"] for line in CALIBRATION_PROMPTS.open()}
+    calibration = {record["messages"][0]["content"] for record in read_jsonl(CALIBRATION_PROMPTS)}
     fingerprint = json.loads(DRAFTER_CONFIG.read_text())["target"]["fingerprint"]
     seen: dict[str, str] = {}
     for name, record in committed_records():
@@ -33,7 +32,7 @@ def test_committed_data_is_clean_and_joins_into_one_file():
         seen[record["id"]] = name
         users = [m["content"] for m in record["messages"] if m["role"] == "user"]
         answers = [m for m in record["messages"] if m["role"] == "assistant"]
-        assert not any(_shingles(u) & forbidden for u in users), f"{name}: {record['id']} overlaps an evaluation set"
+        assert not any(overlaps(u, forbidden) for u in users), f"{name}: {record['id']} overlaps an evaluation set"
         assert users[0] not in calibration, f"{name}: {record['id']} is a calibration prompt"
         assert len(record["assistant_token_ids"]) == len(answers) >= 1, record["id"]
         assert all(ids for ids in record["assistant_token_ids"]), record["id"]

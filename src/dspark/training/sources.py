@@ -342,6 +342,11 @@ def _shingles(text: str, n: int = 8) -> set[str]:
     return {" ".join(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
+def overlaps(text: str, forbidden: set[str]) -> bool:
+    """Whether `text` shares an 8-word run with the evaluation prompts whose runs `eval_shingles` gave."""
+    return bool(_shingles(text) & forbidden)
+
+
 def eval_shingles(eval_dir: Path) -> set[str]:
     """8-word runs of every evaluation prompt. A missing or empty folder is an error: without it the contamination
     check would pass everything."""
@@ -378,7 +383,7 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
     for source, prompts in pools.items():
         for turns in prompts:
             key = "\n".join(turns)
-            if key in seen or any(_shingles(t) & forbidden for t in turns):
+            if key in seen or any(overlaps(t, forbidden) for t in turns):
                 dropped[source] = dropped.get(source, 0) + 1
                 continue
             seen.add(key)
