@@ -2,11 +2,11 @@
 # Reproduces the drafter shipped in src/dspark/data/drafters/smollm2-135m-instruct (see its MODEL_CARD.md).
 # Every step resumes after an interruption: rerun the script and it continues where it stopped.
 #
-# Three legs, as the shipped drafter was made: (a) 1,149 steps on the target's own (Llama) layers from the first
+# The legs, as the shipped drafter was made: (a) 1,149 steps on the target's own (Llama) layers from the first
 # regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
-# steps. By default all start from the regenerated data committed in data/ (the exact records the shipped drafter
+# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended. By default all start from the regenerated data committed in data/ (the exact records the shipped drafter
 # saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.
@@ -25,7 +25,7 @@ ALL="$RUN/train3.jsonl"
 [ -f "$ALL" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz data/smollm2-135m-instruct-regen2.jsonl.gz \
                    data/smollm2-135m-instruct-regen3-llamacpp.jsonl.gz > "$ALL.tmp" && mv "$ALL.tmp" "$ALL"; }
 if [ "${REGENERATE:-0}" = 1 ]; then
-  DATA="$RUN/regen.jsonl" FIRST="$RUN/regen.jsonl" ALL="$RUN/regen.jsonl"
+  DATA="$RUN/regen.jsonl" FIRST="$RUN/regen.jsonl" ALL="$RUN/regen.jsonl" ALL4="$RUN/regen.jsonl"
   # 1. Prompt mix (chat / math / code / instructions), checked against the evaluation sets.
   [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 20000 --seed 0
   # 2. The target answers them (greedy, bfloat16), one half per core, for a fixed time budget.
@@ -80,8 +80,26 @@ fi
 #     steps on the same data: the cosine schedule stretched to 600 steps, so the learning rate returns to ~3.6e-4 at
 #     step 260 and anneals again (the shipped run spent steps 261-270 on a 660-step stretch before settling on 600).
 dspark train --out "$RUN/leg3" --resume --max-steps 600 --eval-every 100 --decode-eval-every 100 --threads 2 --quiet
+# 3e. Leg 5: leg 3d as shipped (bfloat16) continued on all four sets, the fourth being MT-Bench-style assistant
+#     requests and HumanEval-style code; bfloat16 target and autocast (the defaults: 1.5x float32 per step on a CPU
+#     with native bfloat16, an AMX Xeon; on an AVX2-only CPU add --target-dtype float32 --no-bf16), a fresh optimizer,
+#     5 % warm-up, 1,700 steps (~3.5 s/step on 2 AMX Xeon cores, ~100 min). The shipped run was started as 2,400
+#     steps and resumed with --max-steps 2000 at step 40 and 1700 at step 400 to fit the session; each resume
+#     recomputes the cosine schedule (under 1 % of the learning rate at those points).
+ALL4=${ALL4:-$RUN/train1234.jsonl}
+[ -f "$ALL4" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz data/smollm2-135m-instruct-regen2.jsonl.gz \
+                    data/smollm2-135m-instruct-regen3-llamacpp.jsonl.gz \
+                    data/smollm2-135m-instruct-regen4-assist-llamacpp.jsonl.gz > "$ALL4.tmp" && mv "$ALL4.tmp" "$ALL4"; }
+if [ ! -f "$RUN/leg5/checkpoint/trainer_state.json" ]; then
+  [ -d "$RUN/leg4" ] || dspark export "$RUN/leg3/checkpoint" "$RUN/leg4" --dtype bfloat16
+  dspark train --data "$ALL4" --out "$RUN/leg5" --init-from "$RUN/leg4" --ce-weight 1.0 --tv-weight 0.0 \
+    --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 --max-steps 1700 \
+    --target-dtype bfloat16 --eval-every 300 --save-every 20 --decode-eval-every 600 --threads 2 --quiet
+else
+  dspark train --out "$RUN/leg5" --resume --max-steps 1700 --threads 2 --quiet
+fi
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
-dspark export "$RUN/leg3/checkpoint" "$OUT" --dtype bfloat16 --overwrite
+dspark export "$RUN/leg5/checkpoint" "$OUT" --dtype bfloat16 --overwrite
 dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 --dtype float32 \
   --out "$OUT/calibration.json" --plot "$OUT/calibration.png"

@@ -405,6 +405,17 @@ def test_held_out_tau_is_split_by_prompt_source(tiny_run):
     assert min(mixed["tau_by_source"].values()) <= mixed["tau_greedy"] <= max(mixed["tau_by_source"].values())
 
 
+def test_evaluation_slice_reaches_every_file_of_a_concatenated_mix():
+    from dspark.training.data import Example, spread_slice
+
+    # Three files one after another, as `zcat data/*regen*.jsonl.gz` makes them; the last is the smallest.
+    held = [Example([1, 2], [0, 1], source=s) for s, n in (("chat", 40), ("code", 40), ("assist", 20)) for _ in range(n)]
+    chosen = spread_slice(held, 64)
+    assert len(chosen) == 64 and len({id(e) for e in chosen}) == 64
+    assert {e.source for e in chosen} == {"chat", "code", "assist"}  # a head slice held_out[:64] sees chat and code
+    assert spread_slice(held[:10], 64) == held[:10]
+
+
 def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain

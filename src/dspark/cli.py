@@ -424,6 +424,7 @@ def cmd_bench_signal(args) -> int:
     from dspark.assets import eval_prompts, shipped_drafter
     from dspark.bench.signal import signal_plot, signal_report, signal_section
     from dspark.drafter import load_drafter
+    from dspark.training.data import spread_slice
     from dspark.training.trainer import load_examples
 
     if not 0 <= args.holdout < 1:
@@ -436,9 +437,7 @@ def cmd_bench_signal(args) -> int:
     slices = {}
     if args.data:
         train, held, _ = load_examples(target, args.data, args.max_length, args.holdout, args.allow_foreign_data)
-        # evenly spread over the file, so every source of the mix is in the slice
-        slices = {"train": train[:: max(1, len(train) // args.examples)][: args.examples],
-                  "held-out": held[:: max(1, len(held) // args.examples)][: args.examples]}
+        slices = {"train": spread_slice(train, args.examples), "held-out": spread_slice(held, args.examples)}
     prompts = {Path(name).stem: [target.encode_chat(p) for p in eval_prompts(name, args.prompts_per_set, args.offset)]
                for name in args.datasets}
     rows = signal_report(drafter, target, slices, prompts, args.max_new_tokens,

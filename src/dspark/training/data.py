@@ -118,3 +118,11 @@ def examples_from_record(tokenizer, record: dict, max_length: int) -> list[Examp
         if sum(mask) >= 2:  # an anchor needs itself and its next token inside the mask
             out.append(Example(ids, mask, source=str(record.get("source") or "")))
     return out
+
+
+def spread_slice(examples: list[Example], count: int) -> list[Example]:
+    """At most `count` examples evenly spread over the list, so every data file and prompt source of a mix (files
+    are concatenated one after another) is in an evaluation slice, not only the first file's."""
+    if len(examples) <= count:
+        return list(examples)
+    return [examples[i * len(examples) // count] for i in range(count)]

@@ -27,7 +27,7 @@ from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, recover_dir
 from dspark.training.anchors import block_supervision, position_weights, sample_anchors
-from dspark.training.data import Example, examples_from_record, read_records
+from dspark.training.data import Example, examples_from_record, read_records, spread_slice
 from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
 from dspark.training.loss import LossWeights, dspark_loss
 
@@ -637,7 +637,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         bar.set_postfix({k: f"{v:.3f}" for k, v in step_metrics.items()})
         due_eval = loop["step"] % cfg.eval_every == 0 or loop["step"] == total
         if due_eval and rank == 0 and held_out:
-            last.update(evaluate(drafter, OnlineFeatures(target, 0), held_out[:64], cfg, cfg.batch_size))
+            last.update(evaluate(drafter, OnlineFeatures(target, 0), spread_slice(held_out, 64), cfg, cfg.batch_size))
             bar.write(json.dumps({k: last[k] for k in ("step", "tau_greedy", "accept_by_position", "tau_by_source")
                                   if k in last}))
         due_decode = cfg.decode_eval_every > 0 and (loop["step"] % cfg.decode_eval_every == 0 or loop["step"] == total)
