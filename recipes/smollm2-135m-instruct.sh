@@ -6,8 +6,8 @@
 # regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
-# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended. By default all start from the regenerated data committed in data/ (the exact records the shipped drafter
-# saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
+# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended. By default all start from the
+# regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.
 set -euo pipefail
@@ -83,13 +83,12 @@ dspark train --out "$RUN/leg3" --resume --max-steps 600 --eval-every 100 --decod
 # 3e. Leg 5: leg 3d as shipped (bfloat16) continued on all four sets, the fourth being MT-Bench-style assistant
 #     requests and HumanEval-style code; bfloat16 target and autocast (the defaults: 1.5x float32 per step on a CPU
 #     with native bfloat16, an AMX Xeon; on an AVX2-only CPU add --target-dtype float32 --no-bf16), a fresh optimizer,
-#     5 % warm-up, 1,700 steps (~3.5 s/step on 2 AMX Xeon cores, ~100 min). The shipped run was started as 2,400
-#     steps and resumed with --max-steps 2000 at step 40 and 1700 at step 400 to fit the session; each resume
+#     5 % warm-up, 1,700 steps (3.8 s/step on 2 AMX Xeon cores, 108 min). The shipped run was started as 2,400
+#     steps and resumed with --max-steps 2000 at step 20 and 1700 at step 400 to fit the session; each resume
 #     recomputes the cosine schedule (under 1 % of the learning rate at those points).
 ALL4=${ALL4:-$RUN/train1234.jsonl}
-[ -f "$ALL4" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz data/smollm2-135m-instruct-regen2.jsonl.gz \
-                    data/smollm2-135m-instruct-regen3-llamacpp.jsonl.gz \
-                    data/smollm2-135m-instruct-regen4-assist-llamacpp.jsonl.gz > "$ALL4.tmp" && mv "$ALL4.tmp" "$ALL4"; }
+[ -f "$ALL4" ] || { { cat "$ALL"; zcat data/smollm2-135m-instruct-regen4-assist-llamacpp.jsonl.gz; } > "$ALL4.tmp" \
+                    && mv "$ALL4.tmp" "$ALL4"; }
 if [ ! -f "$RUN/leg5/checkpoint/trainer_state.json" ]; then
   [ -d "$RUN/leg4" ] || dspark export "$RUN/leg3/checkpoint" "$RUN/leg4" --dtype bfloat16
   dspark train --data "$ALL4" --out "$RUN/leg5" --init-from "$RUN/leg4" --ce-weight 1.0 --tv-weight 0.0 \
