@@ -222,5 +222,41 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     md = (tmp_path / "B.md").read_text()
     assert "## signal: training signal by position" in md and "| evalset | target's answers |" in md
     assert (tmp_path / "out" / "signal.png").stat().st_size > 0
+    assert run["training"]["legs"] == 1 and run["training"]["tokens"] > 0 and run["training"]["steps"] == 20
     refused(capsys, "--holdout is a share", "bench-signal", "--model", folder, "--dtype", "float32", "--drafter",
             checkpoint, "--holdout", 1.5)
+
+
+# ---- scaling: real τ of a drafter's legs against its cumulative compute ---------------------------------------------
+def test_scaling_fits_real_tau_against_tokens_and_extrapolates_to_the_goal(tmp_path, capsys):
+    """Three legs on an exact power law τ − 1 = 0.4 · (T / 1M)^0.5: the fit must give the exponent back and put
+    τ = 3 at T = 25M tokens, and at the last leg's 1M tokens per core-hour the 21M still to train at 21 core-hours."""
+    from conftest import run_cli
+
+    signals = []
+    for tokens in (1_000_000, 2_000_000, 4_000_000):
+        tau = 1 + 0.4 * (tokens / 1e6) ** 0.5
+        run = {"drafter": f"runs/{tokens}", "training": {"legs": 1, "tokens": tokens, "core_hours": tokens / 1e6,
+                                                         "last_leg": {"tokens": tokens, "core_seconds": tokens * 3.6e-3}},
+               "rows": [{"slice": "held-out", "tf_tau": 2.0}, {"slice": "gsm8k", "real_tau": tau},
+                        {"slice": "mt-bench", "real_tau": tau}]}
+        signals.append(tmp_path / f"leg{len(signals)}.json")
+        signals[-1].write_text(json.dumps(run))
+    code, err = run_cli(capsys, "scaling", "--signal", *signals, "--goal", "3", "mt-bench=1.8", "--out",
+                        tmp_path / "out", "--markdown", tmp_path / "B.md")
+    assert code == 0, err
+    rows = {r["set"]: r for r in json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]}
+    assert set(rows) == {"gsm8k", "mt-bench", "mean"}
+    assert rows["mean"]["exponent"] == pytest.approx(0.5, abs=1e-3)
+    assert rows["mean"]["tokens_for_goal"] == pytest.approx(25e6, rel=1e-3)
+    assert rows["mean"]["times_now"] == pytest.approx(6.25, abs=0.06)
+    assert rows["mean"]["core_hours_more"] == pytest.approx(21.0, abs=0.1)
+    assert rows["mt-bench"]["goal"] == 1.8 and rows["mt-bench"]["tokens_for_goal"] == pytest.approx(4e6, rel=1e-3)
+    md = (tmp_path / "B.md").read_text()
+    assert "## scaling: real τ against cumulative training compute" in md and "| mean | 1.40 → 1.57 → 1.80 | 0.50 | 3 | 25M |" in md
+    assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"rows": [{"slice": "gsm8k", "real_tau": 1.5}]}))
+    refused(capsys, "no training totals of its drafter", "scaling", "--signal", old, signals[0], "--out", tmp_path)
+    refused(capsys, "at least two drafters", "scaling", "--signal", signals[0], signals[0], "--out", tmp_path)
+    refused(capsys, "a goal is a τ above 1", "scaling", "--signal", *signals, "--goal", "mt-bench=x", "--out", tmp_path)

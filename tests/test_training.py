@@ -272,6 +272,34 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
+def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exports(tiny_run, tmp_path, capsys):
+    """Run folders do not outlive a machine, but a drafter continued with --init-from carries every earlier leg in
+    its config, so its total training compute is known wherever it is measured."""
+    from conftest import run_cli
+
+    from dspark.drafter import read_checkpoint_meta, training_totals
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    train(tiny_config(folder, data, tmp_path / "a", max_steps=2), progress=False)
+    first = read_checkpoint_meta(tmp_path / "a" / "checkpoint")
+    assert first["lineage"] == [] and first["progress"]["device"].startswith("cpu: ")
+    assert first["progress"]["core_seconds"] >= first["progress"]["seconds"] > 0
+    train(tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=3),
+          progress=False)
+    train(tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=4),
+          resume=True, progress=False)
+    code, err = run_cli(capsys, "export", tmp_path / "b" / "checkpoint", tmp_path / "shipped", "--model", folder)
+    assert code == 0, err
+    meta = read_checkpoint_meta(tmp_path / "shipped")
+    assert [leg["run"] for leg in meta["lineage"]] == [str(tmp_path / "a")]
+    totals = training_totals(meta)
+    assert totals["legs"] == 2 and totals["steps"] == 2 + 4
+    assert totals["tokens"] == first["progress"]["tokens"] + meta["progress"]["tokens"]
+    assert totals["core_hours"] == round((first["progress"]["core_seconds"] + meta["progress"]["core_seconds"]) / 3600, 2)
+    assert totals["gpu_hours"] == 0 and totals["last_leg"]["run"] == str(tmp_path / "b")
+
+
 def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     from dspark.training.trainer import train
 

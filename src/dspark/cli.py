@@ -423,7 +423,7 @@ def cmd_bench_train(args) -> int:
 def cmd_bench_signal(args) -> int:
     from dspark.assets import eval_prompts, shipped_drafter
     from dspark.bench.signal import signal_plot, signal_report, signal_section
-    from dspark.drafter import load_drafter
+    from dspark.drafter import load_drafter, read_checkpoint_meta, training_totals
     from dspark.training.data import spread_slice
     from dspark.training.trainer import load_examples
 
@@ -442,7 +442,8 @@ def cmd_bench_signal(args) -> int:
                for name in args.datasets}
     rows = signal_report(drafter, target, slices, prompts, args.max_new_tokens,
                          progress=lambda r: print(json.dumps(r), file=sys.stderr))
-    run = {"drafter": str(path), "dtype": args.dtype, "rows": rows}
+    run = {"drafter": str(path), "training": training_totals(read_checkpoint_meta(path)), "dtype": args.dtype,
+           "rows": rows}
     publish(run, out, args.name, lambda: signal_plot(rows, out / f"{args.name}.png"),
             lambda run_, command, plot: signal_section(run_, command, plot, args.name), args.markdown)
     return 0
@@ -579,7 +580,7 @@ def cmd_export(args) -> int:
         target_gguf = gguf_arg(args.target_gguf, args.model)
     with atomic_dir(out) as tmp:
         if args.format == "dspark":
-            extra = {k: v for k, v in meta.items() if k in ("training", "progress")}
+            extra = {k: v for k, v in meta.items() if k in ("training", "progress", "lineage")}
             drafter.save(tmp / "drafter", target.identity(), extra=extra, dtype=dtype)
             for name in ("config.json", "model.safetensors"):
                 (tmp / "drafter" / name).rename(tmp / name)
@@ -694,6 +695,32 @@ def cmd_curves(args) -> int:
     if markdown:
         write_section(markdown, args.section, table)
         print(f"dspark: wrote {args.out} and the {args.section} section of {markdown}", file=sys.stderr)
+    return 0
+
+
+def cmd_scaling(args) -> int:
+    from dspark.bench.scaling import read_point, scaling_plot, scaling_section, scaling_table
+
+    goals = {"*": 3.0}
+    for item in args.goal:
+        name, _, value = item.rpartition("=")
+        try:
+            goals[name or "*"] = float(value)
+        except ValueError:
+            goals[name or "*"] = math.nan
+        if not goals[name or "*"] > 1:
+            raise DSparkError(f"--goal {item}: a goal is a τ above 1 (1 + accepted drafts per round), for every set "
+                              "(3) or for one (mt-bench=2)")
+    out = check_output_dir(args.out, "--out")
+    check_output_file(args.markdown, "--markdown")
+    points = [read_point(Path(p)) for p in args.signal]
+    if len({p.tokens for p in points}) < 2:
+        raise DSparkError("--signal: give bench-signal runs of at least two drafters trained for different amounts "
+                          "(a fit needs two points)")
+    run = {"goals": goals, "points": [vars(p) for p in sorted(points, key=lambda p: p.tokens)],
+           "rows": scaling_table(points, goals)}
+    publish(run, out, args.name, lambda: scaling_plot(run, out / f"{args.name}.png"),
+            lambda run_, command, plot: scaling_section(run_, command, plot, args.name), args.markdown)
     return 0
 
 
@@ -994,6 +1021,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="name of the --markdown section to write (others are kept)")
     p.add_argument("--title", default="Training curves: drafters trained alike", help="heading of that section")
     p.set_defaults(func=cmd_curves)
+
+    p = sub.add_parser("scaling", help="real τ of a drafter's legs against its cumulative training compute, fitted "
+                                       "and extrapolated to a goal τ")
+    p.add_argument("--signal", nargs="+", required=True, help="bench-signal result JSONs, one per drafter (leg)")
+    p.add_argument("--goal", nargs="+", default=["3"], help="the τ to extrapolate to: for every set (3) and/or per "
+                                                            "set (mt-bench=2)")
+    p.add_argument("--name", default="scaling", type=section_name, help="name of the result files and section")
+    p.add_argument("--out", default="bench")
+    p.add_argument("--markdown", default="BENCHMARKS.md")
+    p.set_defaults(func=cmd_scaling)
 
     p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
     p.add_argument("--out", required=True, help="prompts JSONL to write")

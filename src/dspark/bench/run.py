@@ -68,14 +68,9 @@ class PeakRSS:
 
 
 def machine_info() -> dict:
-    from dspark.scheduling.precision import cpu_flags
+    from dspark.scheduling.precision import cpu_flags, cpu_name
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().split("\n")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     flags = cpu_flags()
     import transformers
 

@@ -73,6 +73,34 @@ def read_checkpoint_meta(path: str | Path) -> dict:
     return meta
 
 
+def lineage(meta: dict) -> list[dict]:
+    """Every training leg that made a checkpoint, oldest first: the legs it was continued from (`--init-from`, kept in
+    its config as "lineage") and then its own run ("training" and "progress"). A warm start on a new machine thus keeps
+    the whole history, so the drafter's compute adds up across sessions even where run folders do not survive."""
+    legs = [dict(leg) for leg in meta.get("lineage") or [] if isinstance(leg, dict)]
+    run, progress = meta.get("training"), meta.get("progress")
+    if isinstance(run, dict) and isinstance(progress, dict):
+        legs.append({"run": run.get("out"), "data": run.get("data"), "steps": progress.get("step"),
+                     "tokens": progress.get("tokens"), "seconds": progress.get("seconds"),
+                     "core_seconds": progress.get("core_seconds"), "device": progress.get("device")})
+    return legs
+
+
+def training_totals(meta: dict) -> dict:
+    """What a checkpoint's training cost in all: legs, steps, training tokens, CPU core-hours and GPU-hours (a total
+    is None where one of its legs did not record it), and its last leg."""
+    legs = lineage(meta)
+    on_gpu = [str(leg.get("device") or "").startswith("cuda") for leg in legs]
+
+    def hours(gpu: bool):
+        spent = [leg.get("core_seconds") for leg, g in zip(legs, on_gpu) if g == gpu]
+        return None if None in spent else round(sum(spent) / 3600, 2)
+
+    return {"legs": len(legs), "steps": sum(leg.get("steps") or 0 for leg in legs),
+            "tokens": sum(leg.get("tokens") or 0 for leg in legs), "core_hours": hours(False), "gpu_hours": hours(True),
+            "last_leg": legs[-1] if legs else None}
+
+
 def load_drafter(path: str | Path, target) -> DSparkDrafter:
     path = Path(path)
     meta = read_checkpoint_meta(path)

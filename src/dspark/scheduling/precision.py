@@ -27,6 +27,16 @@ class PrecisionChoice:
     step_ms: dict  # {"float32": {"1": ms, "8": ms}, ...} where measured
 
 
+def cpu_name() -> str:
+    try:
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().split("\n")
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
+
+
 def cpu_flags() -> set[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().split("\n"):

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from dspark.drafter import DSparkConfig, load_drafter, new_drafter, port_to_qwen3
+from dspark.drafter import DSparkConfig, lineage, load_drafter, new_drafter, port_to_qwen3, read_checkpoint_meta
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, recover_dir
@@ -453,8 +453,10 @@ def decode_eval(drafter, target, prompts: dict[str, list[list[int]]], max_new_to
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig) -> None:
-    """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state, swapped in atomically."""
+def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig,
+                    ancestors: list[dict]) -> None:
+    """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state + the legs it was continued from,
+    swapped in atomically."""
     opt = optimizer.state_dict()
     tensors = {f"state.{i}.{k}": v.detach().cpu().contiguous() for i, s in opt["state"].items() for k, v in s.items()}
     tensors["rng.torch"] = torch.get_rng_state()
@@ -464,7 +466,8 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
     meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": [version, list(internal), gauss],
             "train_config": asdict(cfg)}
     with atomic_dir(path) as tmp:
-        drafter.save(tmp / "drafter", target_identity, extra={"training": asdict(cfg), "progress": state})
+        drafter.save(tmp / "drafter", target_identity,
+                     extra={"training": asdict(cfg), "progress": state, "lineage": ancestors})
         for name in ("config.json", "model.safetensors"):  # the checkpoint folder itself loads as a drafter
             os.link(tmp / "drafter" / name, tmp / name)
         save_file(tensors, str(tmp / "trainer_state.safetensors"))
@@ -503,6 +506,13 @@ def python_rng_state(data, path) -> tuple:
     return data[0], tuple(data[1]), data[2]
 
 
+def device_name(device: torch.device) -> str:
+    """"cuda: <GPU>" or "cpu: <processor>", so each leg of a drafter's lineage says where its hours were spent."""
+    from dspark.scheduling.precision import cpu_name
+
+    return f"cuda: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu: {cpu_name()}"
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warmup = max(1, int(cfg.warmup_ratio * total))
     if step < warmup:
@@ -529,7 +539,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                                                    cfg.allow_foreign_data)
     decode_prompts = decode_eval_prompts(target, cfg) if rank == 0 else {}  # read now: a bad set fails at once
 
+    ancestors = []  # the legs this run continues (`--init-from`), kept in every checkpoint
     if cfg.init_from:
+        ancestors = lineage(read_checkpoint_meta(cfg.init_from))
         drafter = load_drafter(cfg.init_from, target).float()
         drafter.config.num_anchors = cfg.num_anchors
         if drafter.config.backbone != cfg.backbone == "qwen3":
@@ -581,6 +593,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
         loop, saved = load_checkpoint(checkpoint, drafter, optimizer)
+        meta = read_checkpoint_meta(checkpoint)
+        if "lineage" in meta:  # as at the run's start, whatever has become of --init-from since
+            ancestors = meta["lineage"]
+        # checkpoints from before the lineage: their --init-from, where it still exists, and their cores as now
+        elif cfg.init_from and Path(cfg.init_from).is_dir():
+            ancestors = lineage(read_checkpoint_meta(cfg.init_from))
         appended = continue_on_data(loop, record_ids, len(train_set), saved.get("data"))
         if appended > 0:
             loop["epoch"], loop["batch"] = loop["epoch"] + 1, 0
@@ -588,6 +606,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 print(f"dspark: {appended} training examples appended since the checkpoint; they join from epoch "
                       f"{loop['epoch']} on")
     loop["data"] = data_seen(record_ids, len(train_set))
+    loop["device"] = device_name(device)
+    cores = world * (1 if device.type == "cuda" else torch.get_num_threads())  # GPUs, or CPU threads
+    loop.setdefault("core_seconds", loop["seconds"] * cores)
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails on its inputs leaves no folder behind
@@ -630,7 +651,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             group["lr"] = lr
         optimizer.step()
         loop["step"] += 1
-        loop["seconds"] = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        loop["core_seconds"] += (elapsed - loop["seconds"]) * cores
+        loop["seconds"] = elapsed
         last = {"step": loop["step"], "epoch": loop["epoch"], "lr": lr, "grad_norm": float(grad_norm),
                 "seconds": round(loop["seconds"], 1), "tokens": loop["tokens"], **step_metrics}
         bar.update(1)
@@ -649,7 +672,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             metrics_file.flush()
         if loop["step"] % cfg.save_every == 0 or loop["step"] == total:
             if rank == 0:
-                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg)
+                save_checkpoint(checkpoint, drafter, optimizer, loop, target.identity(), cfg, ancestors)
             barrier()
     bar.close()
     if metrics_file:
