@@ -705,12 +705,13 @@ def cmd_scaling(args) -> int:
     for item in args.goal:
         name, _, value = item.rpartition("=")
         try:
-            goals[name or "*"] = float(value)
+            goal = float(value)
         except ValueError:
-            goals[name or "*"] = math.nan
-        if not goals[name or "*"] > 1:
+            goal = math.nan
+        if not goal > 1:
             raise DSparkError(f"--goal {item}: a goal is a τ above 1 (1 + accepted drafts per round), for every set "
                               "(3) or for one (mt-bench=2)")
+        goals[name or "*"] = goal
     out = check_output_dir(args.out, "--out")
     check_output_file(args.markdown, "--markdown")
     points = [read_point(Path(p)) for p in args.signal]

@@ -1,10 +1,10 @@
 """`dspark scaling`: real-decoding τ of one drafter's successive legs against its cumulative training compute.
 
 Each point is a `dspark bench-signal` run, which records the measured drafter's training totals (every leg of its
-lineage, docs/guide.md). Per evaluation set, and for their mean, τ − 1 is fitted as a power of the training tokens
-(a straight line in log-log); the fit says how many tokens, and at the last leg's throughput how many core-hours,
-each set's goal τ would take if the curve kept its slope. The legs differ in more than compute (data, loss, precision), so
-the fit reads the history as it happened, not a controlled sweep.
+lineage: README, "Training a drafter"). Per evaluation set, and for their mean, τ − 1 is fitted as a power of the
+training tokens (a straight line in log-log); the fit says how many tokens, and at the last leg's throughput how many
+core-hours, each set's goal τ would take if the curve kept its slope. The legs differ in more than compute (data,
+loss, precision), so the fit reads the history as it happened, not a controlled sweep.
 """
 
 from __future__ import annotations

@@ -593,12 +593,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
         loop, saved = load_checkpoint(checkpoint, drafter, optimizer)
-        meta = read_checkpoint_meta(checkpoint)
-        if "lineage" in meta:  # as at the run's start, whatever has become of --init-from since
-            ancestors = meta["lineage"]
-        # checkpoints from before the lineage: their --init-from, where it still exists, and their cores as now
-        elif cfg.init_from and Path(cfg.init_from).is_dir():
-            ancestors = lineage(read_checkpoint_meta(cfg.init_from))
+        # The lineage as at the run's start, even if --init-from has been overwritten since; checkpoints written
+        # before the lineage existed keep the one just read from --init-from.
+        ancestors = read_checkpoint_meta(checkpoint).get("lineage", ancestors)
         appended = continue_on_data(loop, record_ids, len(train_set), saved.get("data"))
         if appended > 0:
             loop["epoch"], loop["batch"] = loop["epoch"] + 1, 0
