@@ -17,7 +17,11 @@ def bench_run(tiny_run, tmp_path_factory):
     folder, _ = tiny_run
     tmp = tmp_path_factory.mktemp("bench")
     target = Target.load(str(folder))
-    tiny_drafter(target, block_size=4, mask_token_id=63).save(tmp / "drafter", target.identity())
+    # a drafter continued once (--init-from): the bench must report both legs' training, not only the last
+    legs = {"lineage": [{"run": "leg1", "steps": 5, "tokens": 100, "core_seconds": 3600, "device": "cpu: test"}],
+            "training": {"out": "leg2", "preset": "dspark"},
+            "progress": {"step": 3, "tokens": 50, "seconds": 900, "core_seconds": 1800, "device": "cpu: test"}}
+    tiny_drafter(target, block_size=4, mask_token_id=63).save(tmp / "drafter", target.identity(), extra=legs)
     evalset = tmp / "evalset.jsonl"
     evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}", "second turn"]}) + "\n" for i in range(3)))
     cfg = BenchConfig(model=str(folder), datasets=[str(evalset)], prompts_per_set=2, max_new_tokens=12,
@@ -49,6 +53,8 @@ def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run)
         assert len(r["accept_by_position"]) == 4
     assert all(set(r["ms_per_round"]) == {"draft", "verify", "context", "other"} for r in spec)
     assert run["machine"]["torch"] and run["drafters"]["dspark"]["weights_mb"] > 0
+    training = run["drafters"]["dspark"]["training"]
+    assert (training["legs"], training["tokens"], training["steps"], training["core_hours"]) == (2, 150, 8, 1.5)
     assert run["target_weights_mb"]["float32"] > 0
 
 
@@ -63,6 +69,7 @@ def test_report_sections_and_plots(bench_run):
     text = md.read_text()
     assert text.count("<!-- bench:quick:begin -->") == 1 and "--again" in text and "<!-- bench:full:begin -->" in text
     assert "| HF prompt lookup |" in text and "Acceptance by position" in text and "float32, temperature 1.0" in text
+    assert "| 2 | 150 | 8 | 1.5 | – |" in text  # the drafter's legs, tokens, steps, core-hours, GPU-hours
 
 
 def test_bad_drafter_argument_exits_with_a_clear_error():

@@ -81,12 +81,15 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
     if run["drafters"]:
         out += ["Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
                 "draft vocabulary is reduced; embedding and LM head are otherwise shared):", "",
-                "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | train tokens | train time (s) | steps |",
-                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | training legs | "
+                "train tokens | steps | CPU core-hours | GPU-hours |",
+                "| --- " * 13 + "|"]
         for label, d in run["drafters"].items():
+            t = d.get("training") or {}  # totals over every leg of the drafter's lineage
             out.append(f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
-                       f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {d['train_tokens'] or '–'} | "
-                       f"{round(d['train_seconds']) if d['train_seconds'] else '–'} | {d['train_steps'] or '–'} |")
+                       f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {t.get('legs') or '–'} | "
+                       f"{t.get('tokens') or '–'} | {t.get('steps') or '–'} | {t.get('core_hours') or '–'} | "
+                       f"{t.get('gpu_hours') or '–'} |")
         out.append("")
     for (dtype, temp), rows in _by(results, "dtype", "temperature").items():
         mode = "greedy" if temp == 0 else f"temperature {temp}"

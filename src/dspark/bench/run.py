@@ -24,6 +24,7 @@ from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.sampling import SamplingParams
 from dspark.decoding.stats import SpecStats, merged
+from dspark.drafter.registry import read_checkpoint_meta, training_totals
 
 PEERS = ("hf", "hf-lookup")
 
@@ -96,9 +97,8 @@ def drafter_info(path: str, drafter) -> dict:
     if not hasattr(drafter, "config"):  # the n-gram proposer: tables, no weights
         return {"weights_mb": 0.0, "draft_head_copy_mb": 0.0, "path": str(path), "architecture": "ngram",
                 "block_size": drafter.block_size, "num_draft_layers": 0, "markov_rank": 0, "params_millions": 0.0,
-                "train_tokens": None, "train_seconds": None, "train_steps": None, "preset": None}
-    meta = json.loads((Path(path) / "config.json").read_text())
-    progress = meta.get("progress", {})
+                "training": None, "preset": None}
+    meta = read_checkpoint_meta(path)
     own = weights_mb(drafter, skip=("embed_weight", "lm_head_weight"))
     lm_slice = 0.0 if drafter.d2t is None else round(drafter.lm_weight(drafter.fc.weight.dtype).numel() * 4 / 2**20, 1)
     return {
@@ -106,8 +106,8 @@ def drafter_info(path: str, drafter) -> dict:
         "path": str(path), "architecture": drafter.config.architecture, "block_size": drafter.block_size,
         "num_draft_layers": drafter.config.num_draft_layers, "markov_rank": drafter.config.markov_rank,
         "params_millions": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 2),
-        "train_tokens": progress.get("tokens"), "train_seconds": progress.get("seconds"),
-        "train_steps": progress.get("step"), "preset": meta.get("training", {}).get("preset"),
+        "training": training_totals(meta),  # every leg of its lineage, not only the last run
+        "preset": meta.get("training", {}).get("preset"),
     }
 
 
