@@ -86,6 +86,8 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
         folder.mkdir()
         rows = [{"step": s, "seconds": s * 10 / speed, "tokens": s * 100, "tau_greedy": 1 + s / 100} for s in (0, 50, 100)]
         rows.insert(1, {"step": 10, "seconds": 1.0, "tokens": 5})  # a step without evaluation is skipped
+        if name == "b":  # b also decoded for real (--decode-eval-every) at step 50
+            rows[2]["decode_tau_all"] = 1.7
         (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     curves = training_curves({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000 and len(curves["a"]) == 3
@@ -97,6 +99,8 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     table = curves_table(curves, "a", "dspark curves ...", "c.png")
     row_b = next(line for line in table.splitlines() if line.startswith("| b |"))
     assert "10k tokens" in table and "| b | 100 | 2.000 | 1.000 | 2.000 | 0.750 |" in row_b
+    assert row_b.endswith("| 1.700 (50) |") and next(line for line in table.splitlines()
+                                                     if line.startswith("| a |")).endswith("| – |")
 
 
 def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
