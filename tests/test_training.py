@@ -272,6 +272,32 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
+def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tiny_run, tmp_path):
+    """--copied-lr-scale 0 keeps the backbone's layers and final norm exactly the target's top layers while the rest
+    learns; the scale is kept in the checkpoint, so a resumed run goes on at the same rates."""
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    target = Target.load(str(folder), dtype="float32")
+    top = target.model.get_decoder().layers[-1].state_dict()
+    norm = target.model.get_decoder().norm.weight
+    for scale in (0.0, 1.0):
+        run = tmp_path / f"scale{scale}"
+        train(tiny_config(folder, data, run, copied_lr_scale=scale, max_steps=3, save_every=2), progress=False)
+        if scale == 0.0:  # resume the last step from the step-2 checkpoint: still frozen
+            train(tiny_config(folder, data, run, copied_lr_scale=scale, max_steps=4, save_every=2), resume=True,
+                  progress=False)
+        drafter = load_drafter(run / "checkpoint", target)
+        layer = drafter.layers[0].state_dict()
+        same = [torch.equal(layer[k], v) for k, v in top.items()] + [torch.equal(drafter.norm.weight, norm)]
+        assert all(same) if scale == 0.0 else not any(same[:-1])
+        assert drafter.markov_head.markov_w2.weight.abs().sum() > 0  # starts at zero: the rest learned
+    state = json.loads((tmp_path / "scale0.0" / "checkpoint" / "trainer_state.json").read_text())
+    assert sorted({g["lr_scale"] for g in state["param_groups"]}) == [0.0, 1.0]
+
+
 def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exports(tiny_run, tmp_path, capsys):
     """Run folders do not outlive a machine, but a drafter continued with --init-from carries every earlier leg in
     its config, so its total training compute is known wherever it is measured."""

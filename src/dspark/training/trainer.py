@@ -98,6 +98,8 @@ class TrainConfig:
     lr: float = opt(6e-4, "peak learning rate (warmup, then cosine)")
     warmup_ratio: float = opt(0.04, "share of the steps spent warming up")
     weight_decay: float = opt(0.0, "AdamW weight decay (never on norms and biases)")
+    copied_lr_scale: float = opt(1.0, "learning-rate multiplier for the backbone's decoder layers and final norm, the "
+                                      "parts started from the target's top layers (1 = the same rate as the rest)")
     clip: float = opt(1.0, "gradient norm clip")
     bf16: bool = opt(True, "autocast the drafter to bfloat16 (fp32 master weights)")
     device: str = opt("auto", "auto (this rank's GPU if CUDA is available, else the CPU), cpu or cuda:N")
@@ -130,7 +132,7 @@ class TrainConfig:
         for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every"):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "epochs", "weight_decay", "clip", "ce_weight", "tv_weight", "conf_weight", "decay",
+        for name in ("lr", "epochs", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight", "decay",
                      "warmup_ratio", "holdout"):
             value = getattr(self, name)
             if not math.isfinite(value):
@@ -513,6 +515,21 @@ def device_name(device: torch.device) -> str:
     return f"cuda: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu: {cpu_name()}"
 
 
+def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
+    """AdamW groups. Weight decay pulls matrices toward zero; norms (toward zero = off) and biases get none. With
+    --copied-lr-scale, the layers copied from the target (already good features) move at a scaled rate."""
+    named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    copied = (lambda n: n.startswith(("layers.", "norm."))) if cfg.copied_lr_scale != 1.0 else (lambda n: False)
+    groups = []
+    for scale, members in ((1.0, [(n, p) for n, p in named if not copied(n)]),
+                           (cfg.copied_lr_scale, [(n, p) for n, p in named if copied(n)])):
+        for decay, params in ((cfg.weight_decay, [p for _, p in members if p.ndim >= 2]),
+                              (0.0, [p for _, p in members if p.ndim < 2])):
+            if params:
+                groups.append({"params": params, "weight_decay": decay, "lr_scale": scale})
+    return groups
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warmup = max(1, int(cfg.warmup_ratio * total))
     if step < warmup:
@@ -578,10 +595,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         source.check(train_set, target.identity())
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    # Weight decay pulls matrices toward zero; norms (toward zero = off) and biases get none.
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(param_groups(drafter, cfg), lr=cfg.lr, betas=(0.9, 0.95))
     ddp_devices = [device] if device.type == "cuda" else None
     model = DDP(drafter, device_ids=ddp_devices, broadcast_buffers=False) if world > 1 else drafter
 
@@ -645,7 +659,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.clip)
         lr = lr_at(loop["step"], total, cfg)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.step()
         loop["step"] += 1
         elapsed = time.perf_counter() - start
