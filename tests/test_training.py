@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -457,6 +458,8 @@ def test_held_out_tau_is_split_by_prompt_source(tiny_run):
     mixed = evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, 4)
     assert set(mixed["tau_by_source"]) == {"code", "math"} and mixed["tau_greedy"] == same["tau_greedy"]
     assert min(mixed["tau_by_source"].values()) <= mixed["tau_greedy"] <= max(mixed["tau_by_source"].values())
+    # the evaluation's anchors do not follow the training setting
+    assert evaluate(drafter, OnlineFeatures(target, 0), examples, replace(cfg, num_anchors=2), 4) == mixed
 
 
 def test_evaluation_slice_reaches_every_file_of_a_concatenated_mix():

@@ -386,12 +386,17 @@ def block_loss(model, batch: TargetBatch, plan: BlockPlan, cfg: TrainConfig, den
                        drafter.d2t, drafter.t2d(), denominator)
 
 
+# Blocks per held-out sequence: fixed, so runs trained with different --num-anchors are measured alike.
+EVAL_ANCHORS = 256
+
+
 @torch.no_grad()
 def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_size: int) -> dict:
     """Teacher-forced acceptance on held-out data. With greedy regenerated data, a block's greedy τ is 1 + its
     leading run of draft argmax == label, exactly what the engine would accept at that anchor."""
     drafter.eval()
     gamma = cfg.block_size
+    cfg = replace(cfg, num_anchors=EVAL_ANCHORS)
     runs, blocks, accepted_pos, reached_pos = 0.0, 0, torch.zeros(gamma), torch.zeros(gamma)
     by_source: dict[str, list[float]] = {}  # source -> [accepted drafts, blocks]
     g = torch.Generator().manual_seed(1234)
