@@ -6,7 +6,7 @@
 # regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
-# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth.
+# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth; (g) 950 more with the sixth.
 # By default all start from the regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.
@@ -113,8 +113,21 @@ if [ ! -f "$RUN/leg6/checkpoint/trainer_state.json" ]; then
 else
   OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/leg6" --resume --max-steps 1000 --threads 1 --quiet
 fi
+# 3g. Leg 7: leg 6 as shipped continued on all six sets (the sixth: more assistant requests and code from our engine
+#     in bfloat16), the leg-6 recipe, 950 steps on one pinned thread (6-8 s/step, ~110 min).
+ALL6=${ALL6:-$RUN/train123456.jsonl}
+[ -f "$ALL6" ] || { { cat "$ALL5"; zcat data/smollm2-135m-instruct-regen6-assist-bf16.jsonl.gz; } > "$ALL6.tmp" \
+                    && mv "$ALL6.tmp" "$ALL6"; }
+if [ ! -f "$RUN/leg7/checkpoint/trainer_state.json" ]; then
+  [ -d "$RUN/leg6-export" ] || dspark export "$RUN/leg6/checkpoint" "$RUN/leg6-export" --dtype bfloat16
+  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --data "$ALL6" --out "$RUN/leg7" --init-from "$RUN/leg6-export" \
+    --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 --max-steps 950 \
+    --target-dtype bfloat16 --eval-every 475 --save-every 20 --threads 1 --quiet
+else
+  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/leg7" --resume --max-steps 950 --threads 1 --quiet
+fi
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
-dspark export "$RUN/leg6/checkpoint" "$OUT" --dtype bfloat16 --overwrite
+dspark export "$RUN/leg7/checkpoint" "$OUT" --dtype bfloat16 --overwrite
 dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 --dtype float32 \
   --out "$OUT/calibration.json" --plot "$OUT/calibration.png"
