@@ -25,7 +25,8 @@ ALL="$RUN/train3.jsonl"
 [ -f "$ALL" ] || { zcat data/smollm2-135m-instruct-regen.jsonl.gz data/smollm2-135m-instruct-regen2.jsonl.gz \
                    data/smollm2-135m-instruct-regen3-llamacpp.jsonl.gz > "$ALL.tmp" && mv "$ALL.tmp" "$ALL"; }
 if [ "${REGENERATE:-0}" = 1 ]; then
-  DATA="$RUN/regen.jsonl" FIRST="$RUN/regen.jsonl" ALL="$RUN/regen.jsonl" ALL4="$RUN/regen.jsonl" ALL5="$RUN/regen.jsonl"
+  DATA="$RUN/regen.jsonl" FIRST="$RUN/regen.jsonl" ALL="$RUN/regen.jsonl" ALL4="$RUN/regen.jsonl" ALL5="$RUN/regen.jsonl" \
+    ALL6="$RUN/regen.jsonl"
   # 1. Prompt mix (chat / math / code / instructions), checked against the evaluation sets.
   [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 20000 --seed 0
   # 2. The target answers them (greedy, bfloat16), one half per core, for a fixed time budget.
@@ -86,9 +87,12 @@ dspark train --out "$RUN/leg3" --resume --max-steps 600 --eval-every 100 --decod
 #     5 % warm-up, 1,700 steps (3.8 s/step on 2 AMX Xeon cores, 108 min). The shipped run was started as 2,400
 #     steps and resumed with --max-steps 2000 at step 20 and 1700 at step 400 to fit the session; each resume
 #     recomputes the cosine schedule (under 1 % of the learning rate at those points).
+# The previous legs' training file with one more committed set appended (built once, atomically).
+with_set() {  # OUT PREVIOUS SET.jsonl.gz
+  [ -f "$1" ] || { { cat "$2"; zcat "$3"; } > "$1.tmp" && mv "$1.tmp" "$1"; }
+}
 ALL4=${ALL4:-$RUN/train1234.jsonl}
-[ -f "$ALL4" ] || { { cat "$ALL"; zcat data/smollm2-135m-instruct-regen4-assist-llamacpp.jsonl.gz; } > "$ALL4.tmp" \
-                    && mv "$ALL4.tmp" "$ALL4"; }
+with_set "$ALL4" "$ALL" data/smollm2-135m-instruct-regen4-assist-llamacpp.jsonl.gz
 if [ ! -f "$RUN/leg5/checkpoint/trainer_state.json" ]; then
   [ -d "$RUN/leg4" ] || dspark export "$RUN/leg3/checkpoint" "$RUN/leg4" --dtype bfloat16
   dspark train --data "$ALL4" --out "$RUN/leg5" --init-from "$RUN/leg4" --ce-weight 1.0 --tv-weight 0.0 \
@@ -102,30 +106,28 @@ fi
 #     only 1.2x (184 against 153 training tokens/s on an AVX-512-BF16 EPYC) and the other core regenerated the sixth
 #     set meanwhile (6.7 s/step, ~100 min). The shipped run was started as 1,500 steps on two threads and resumed
 #     (--resume --max-steps, --threads) with 1,200 at step 40, on one thread at step 100 and with 1,000 at step 160.
+# A leg continuing the previous leg's bfloat16 export on one pinned thread with leg 6's loss and batch; resumes
+# where it stopped if already started.
+pinned_leg() {  # PREVIOUS NEXT DATA STEPS EVAL_EVERY [more train flags]
+  local prev=$1 next=$2 data=$3 steps=$4 every=$5
+  shift 5
+  if [ ! -f "$RUN/$next/checkpoint/trainer_state.json" ]; then
+    [ -d "$RUN/$prev-export" ] || dspark export "$RUN/$prev/checkpoint" "$RUN/$prev-export" --dtype bfloat16
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --data "$data" --out "$RUN/$next" --init-from "$RUN/$prev-export" \
+      --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 \
+      --max-steps "$steps" --target-dtype bfloat16 --eval-every "$every" --save-every 20 --threads 1 --quiet "$@"
+  else
+    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/$next" --resume --max-steps "$steps" --threads 1 --quiet
+  fi
+}
 ALL5=${ALL5:-$RUN/train12345.jsonl}
-[ -f "$ALL5" ] || { { cat "$ALL4"; zcat data/smollm2-135m-instruct-regen5-assist-bf16.jsonl.gz; } > "$ALL5.tmp" \
-                    && mv "$ALL5.tmp" "$ALL5"; }
-if [ ! -f "$RUN/leg6/checkpoint/trainer_state.json" ]; then
-  [ -d "$RUN/leg5-export" ] || dspark export "$RUN/leg5/checkpoint" "$RUN/leg5-export" --dtype bfloat16
-  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --data "$ALL5" --out "$RUN/leg6" --init-from "$RUN/leg5-export" \
-    --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 --max-steps 1000 \
-    --target-dtype bfloat16 --eval-every 300 --save-every 20 --decode-eval-every 750 --threads 1 --quiet
-else
-  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/leg6" --resume --max-steps 1000 --threads 1 --quiet
-fi
+with_set "$ALL5" "$ALL4" data/smollm2-135m-instruct-regen5-assist-bf16.jsonl.gz
+pinned_leg leg5 leg6 "$ALL5" 1000 300 --decode-eval-every 750
 # 3g. Leg 7: leg 6 as shipped continued on all six sets (the sixth: more assistant requests and code from our engine
 #     in bfloat16), the leg-6 recipe, 950 steps on one pinned thread (6-8 s/step, ~110 min).
 ALL6=${ALL6:-$RUN/train123456.jsonl}
-[ -f "$ALL6" ] || { { cat "$ALL5"; zcat data/smollm2-135m-instruct-regen6-assist-bf16.jsonl.gz; } > "$ALL6.tmp" \
-                    && mv "$ALL6.tmp" "$ALL6"; }
-if [ ! -f "$RUN/leg7/checkpoint/trainer_state.json" ]; then
-  [ -d "$RUN/leg6-export" ] || dspark export "$RUN/leg6/checkpoint" "$RUN/leg6-export" --dtype bfloat16
-  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --data "$ALL6" --out "$RUN/leg7" --init-from "$RUN/leg6-export" \
-    --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 --max-steps 950 \
-    --target-dtype bfloat16 --eval-every 475 --save-every 20 --threads 1 --quiet
-else
-  OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/leg7" --resume --max-steps 950 --threads 1 --quiet
-fi
+with_set "$ALL6" "$ALL5" data/smollm2-135m-instruct-regen6-assist-bf16.jsonl.gz
+pinned_leg leg6 leg7 "$ALL6" 950 475
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
 dspark export "$RUN/leg7/checkpoint" "$OUT" --dtype bfloat16 --overwrite
