@@ -132,8 +132,8 @@ class TrainConfig:
         for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every"):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "epochs", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight", "decay",
-                     "warmup_ratio", "holdout"):
+        for name in ("lr", "epochs", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight",
+                     "decay", "warmup_ratio", "holdout"):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise DSparkError(f"--{flag(name)} must be a finite number, got {value}")
