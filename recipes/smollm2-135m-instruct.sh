@@ -6,7 +6,8 @@
 # regenerated data set; (b) that drafter moved onto the portable Qwen3-style backbone (exportable to llama.cpp, vLLM
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
-# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth; (g) 950 more with the sixth.
+# steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth;
+# (g) 950 more with the sixth.
 # By default all start from the regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.

@@ -524,7 +524,9 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     """AdamW groups. Weight decay pulls matrices toward zero; norms (toward zero = off) and biases get none. With
     --copied-lr-scale, the layers copied from the target (already good features) move at a scaled rate."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
-    copied = (lambda n: n.startswith(("layers.", "norm."))) if cfg.copied_lr_scale != 1.0 else (lambda n: False)
+    def copied(name):  # one group for all when the scale is 1, as checkpoints from before the flag have
+        return cfg.copied_lr_scale != 1.0 and name.startswith(("layers.", "norm."))
+
     groups = []
     for scale, members in ((1.0, [(n, p) for n, p in named if not copied(n)]),
                            (cfg.copied_lr_scale, [(n, p) for n, p in named if copied(n)])):
