@@ -604,7 +604,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(param_groups(drafter, cfg), lr=cfg.lr, betas=(0.9, 0.95))
     ddp_devices = [device] if device.type == "cuda" else None
-    model = DDP(drafter, device_ids=ddp_devices, broadcast_buffers=False) if world > 1 else drafter
+    # The drafter's buffers are constants, equal on every rank: no need to sync them before each forward.
+    model = DDP(drafter, device_ids=ddp_devices, forward_sync_buffers=False) if world > 1 else drafter
 
     steps_per_epoch = max(1, len(epoch_batches(train_set, cfg.batch_size, 0, cfg.seed)) // (world * cfg.grad_accum))
     total = cfg.max_steps if cfg.max_steps > 0 else max(1, int(cfg.epochs * steps_per_epoch))
