@@ -7,7 +7,7 @@
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
 # steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth;
-# (g) 950 more with the sixth.
+# (g) 950 more with the sixth; (h) 600 more on the same six sets with a batch of more, shorter samples and lower rates.
 # By default all start from the regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.
@@ -107,30 +107,40 @@ fi
 #     only 1.2x (184 against 153 training tokens/s on an AVX-512-BF16 EPYC) and the other core regenerated the sixth
 #     set meanwhile (6.7 s/step, ~100 min). The shipped run was started as 1,500 steps on two threads and resumed
 #     (--resume --max-steps, --threads) with 1,200 at step 40, on one thread at step 100 and with 1,000 at step 160.
-# A leg continuing the previous leg's bfloat16 export on one pinned thread with leg 6's loss and batch; resumes
-# where it stopped if already started.
-pinned_leg() {  # PREVIOUS NEXT DATA STEPS EVAL_EVERY [more train flags]
-  local prev=$1 next=$2 data=$3 steps=$4 every=$5
+# A leg continuing the previous leg's bfloat16 export with leg 6's loss, run by LAUNCHER (the name of an array: one
+# pinned thread, or torchrun over both cores); resumes where it stopped if already started.
+PINNED=(taskset -c 0 .venv/bin/dspark)
+BOTH_CORES=(.venv/bin/torchrun --standalone --nproc_per_node 2 -m dspark.cli)
+continue_leg() {  # LAUNCHER PREVIOUS NEXT DATA STEPS [train flags: batch, learning rate, evaluations]
+  local -n launch=$1
+  local prev=$2 next=$3 data=$4 steps=$5
   shift 5
   if [ ! -f "$RUN/$next/checkpoint/trainer_state.json" ]; then
     [ -d "$RUN/$prev-export" ] || dspark export "$RUN/$prev/checkpoint" "$RUN/$prev-export" --dtype bfloat16
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --data "$data" --out "$RUN/$next" --init-from "$RUN/$prev-export" \
-      --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 \
-      --max-steps "$steps" --target-dtype bfloat16 --eval-every "$every" --save-every 20 --threads 1 --quiet "$@"
+    OMP_NUM_THREADS=1 "${launch[@]}" train --data "$data" --out "$RUN/$next" --init-from "$RUN/$prev-export" \
+      --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --warmup-ratio 0.05 --max-steps "$steps" \
+      --target-dtype bfloat16 --save-every 20 --threads 1 --quiet "$@"
   else
-    OMP_NUM_THREADS=1 taskset -c 0 .venv/bin/dspark train --out "$RUN/$next" --resume --max-steps "$steps" --threads 1 --quiet
+    OMP_NUM_THREADS=1 "${launch[@]}" train --out "$RUN/$next" --resume --max-steps "$steps" --threads 1 --quiet
   fi
 }
 ALL5=${ALL5:-$RUN/train12345.jsonl}
 with_set "$ALL5" "$ALL4" data/smollm2-135m-instruct-regen5-assist-bf16.jsonl.gz
-pinned_leg leg5 leg6 "$ALL5" 1000 300 --decode-eval-every 750
+LEG6_BATCH=(--num-anchors 256 --batch-size 4 --lr 5e-4)
+continue_leg PINNED leg5 leg6 "$ALL5" 1000 "${LEG6_BATCH[@]}" --eval-every 300 --decode-eval-every 750
 # 3g. Leg 7: leg 6 as shipped continued on all six sets (the sixth: more assistant requests and code from our engine
 #     in bfloat16), the leg-6 recipe, 950 steps on one pinned thread (6-8 s/step, ~110 min).
 ALL6=${ALL6:-$RUN/train123456.jsonl}
 with_set "$ALL6" "$ALL5" data/smollm2-135m-instruct-regen6-assist-bf16.jsonl.gz
-pinned_leg leg6 leg7 "$ALL6" 950 475
+continue_leg PINNED leg6 leg7 "$ALL6" 950 "${LEG6_BATCH[@]}" --eval-every 475
+# 3h. Leg 8: leg 7 as shipped, the same six sets, the best arm of the continue-levers ablation (64 anchors x 16
+#     sequences per step, lr 1.5e-4, the layers copied from the target at a tenth of it), under torchrun on both
+#     cores (8 sequences per process; ~430 training tokens/s against ~270 on one core), 600 steps (~9 s/step, ~90
+#     min). The shipped run was started as 800 steps and resumed with 560 at step 40 and 600 at step 80.
+continue_leg BOTH_CORES leg7 leg8 "$ALL6" 600 --num-anchors 64 --batch-size 8 --lr 1.5e-4 --copied-lr-scale 0.1 \
+  --eval-every 300 --decode-eval-every 600
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
-dspark export "$RUN/leg7/checkpoint" "$OUT" --dtype bfloat16 --overwrite
+dspark export "$RUN/leg8/checkpoint" "$OUT" --dtype bfloat16 --overwrite
 dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 --dtype float32 \
   --out "$OUT/calibration.json" --plot "$OUT/calibration.png"
