@@ -135,7 +135,7 @@ with_set "$ALL6" "$ALL5" data/smollm2-135m-instruct-regen6-assist-bf16.jsonl.gz
 continue_leg PINNED leg6 leg7 "$ALL6" 950 "${LEG6_BATCH[@]}" --eval-every 475
 # 3h. Leg 8: leg 7 as shipped, the same six sets, the best arm of the continue-levers ablation (64 anchors x 16
 #     sequences per step, lr 1.5e-4, the layers copied from the target at a tenth of it), under torchrun on both
-#     cores (8 sequences per process; ~430 training tokens/s against ~270 on one core), 600 steps (~9 s/step, ~90
+#     cores (8 sequences per process; ~410 training tokens/s against ~270 on one core), 600 steps (~9 s/step, ~90
 #     min). The shipped run was started as 800 steps and resumed with 560 at step 40 and 600 at step 80.
 continue_leg BOTH_CORES leg7 leg8 "$ALL6" 600 --num-anchors 64 --batch-size 8 --lr 1.5e-4 --copied-lr-scale 0.1 \
   --eval-every 300 --decode-eval-every 600
