@@ -190,7 +190,7 @@ def trained_tiny_drafter(tiny_run, tmp_path_factory):
 def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter):
     """Training's view of the drafter (the training forward on finished text) at the anchors decoding visits gives,
     round by round, what the engine accepted: the check that training and inference see the same drafter."""
-    from dspark.bench.signal import along_rounds, every_position, leading_runs
+    from dspark.bench.signal import along_rounds, every_position, score_answer
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policy import FixedLength
     from dspark.drafter import load_drafter
@@ -204,14 +204,43 @@ def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter)
     seen = set()
     for prompt, result in zip(prompts, results):
         answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
-        scored = leading_runs(drafter, target, answer)
-        walked = along_rounds(scored, drafter.block_size, 30)
+        scored = score_answer(drafter, target, answer)
+        walked = along_rounds([scored], drafter.block_size)
         # the prefill says the first of the 30 tokens; the rounds the other 29
         assert walked.accepted_hist == result.stats.accepted_hist and walked.tokens == result.stats.tokens == 29
         seen |= {k for k, n in enumerate(walked.accepted_hist) if n}
         # every position: one anchor per answer token with a whole block after it
         assert every_position([scored], drafter.block_size).rounds == 30 - drafter.block_size
     assert {0, 1, 2} <= seen
+
+
+def test_training_walks_the_rounds_decoding_would_take(trained_tiny_drafter, tmp_path):
+    """The trainer's held-out tau_rounds is the along-rounds τ of bench-signal (which equals real decoding, above), and
+    --rollout-anchors 1 anchors every block where those rounds start."""
+    from test_training import tiny_config
+
+    from dspark.bench.signal import along_rounds, score_answer
+    from dspark.drafter import load_drafter
+    from dspark.training.anchors import leading_runs, visited_anchors
+    from dspark.training.features import OnlineFeatures
+    from dspark.training.trainer import anchor_generator, evaluate, load_examples, plan_blocks, train
+
+    folder, data, checkpoint = trained_tiny_drafter
+    cfg = tiny_config(folder, data, tmp_path / "run", rollout_anchors=1.0, num_anchors=4)
+    target = Target.load(str(folder), dtype="float32", layer_ids=cfg.target_layer_ids)  # as the trainer loads it
+    drafter = load_drafter(checkpoint, target).float()
+    examples = load_examples(target, cfg.data, cfg.max_length, cfg.holdout)[0][:6]
+    walked = along_rounds([score_answer(drafter, target, e) for e in examples], drafter.block_size)
+    assert evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, batch_size=4)["tau_rounds"] == round(walked.tau, 4)
+
+    batch = OnlineFeatures(target, 0)(examples[:4])
+    plan = plan_blocks(batch, cfg, anchor_generator(0, 0, 0), drafter)
+    visited = visited_anchors(leading_runs(drafter, batch.features, batch.input_ids, batch.loss_mask), batch.loss_mask,
+                              drafter.block_size)
+    chosen = plan.supervised.any(-1)
+    assert visited.sum(1).min() >= 4 and visited.gather(1, plan.anchors)[chosen].all()
+    train(cfg, progress=False)  # and the loop runs with it
+    assert (tmp_path / "run" / "checkpoint").exists()
 
 
 def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, capsys):

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from conftest import tiny_target
 from dspark.errors import DSparkError
 from dspark.training import regenerate as regen_mod
-from dspark.training.anchors import block_supervision, position_weights, sample_anchors
+from dspark.training.anchors import (answer_spans, block_supervision, decoding_rounds, position_weights, sample_anchors,
+                                     visited_anchors)
 from dspark.training.data import examples_from_record, read_records
 from dspark.training.loss import LossWeights, TargetDist, dspark_loss, l1_distance
 
@@ -31,6 +32,33 @@ def test_anchors_lie_where_anchor_and_next_token_are_in_the_mask():
     assert anchors[valid].tolist() == sorted(anchors[valid].tolist())
     few, valid_few = sample_anchors(mask, 2, torch.Generator().manual_seed(0))
     assert few.shape == (1, 2) and valid_few.all() and set(few[0].tolist()) <= {2, 3, 6}
+
+
+def test_preferred_anchors_fill_their_quota_first_and_a_zero_share_changes_nothing():
+    mask = torch.tensor([[0] + [1] * 20 + [0]] * 2)
+    preferred = torch.zeros(2, 22, dtype=torch.bool)
+    preferred[0, [3, 7, 11]] = True  # fewer than the quota: all of them, the rest uniform
+    preferred[1, 1:21:2] = True  # more than the quota: exactly the quota
+    plain = sample_anchors(mask, 8, torch.Generator().manual_seed(5))
+    unshared = sample_anchors(mask, 8, torch.Generator().manual_seed(5), preferred, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(plain, unshared))
+    anchors, valid = sample_anchors(mask, 8, torch.Generator().manual_seed(5), preferred, 0.5)
+    assert valid.all() and anchors.shape == (2, 8)
+    assert {3, 7, 11} <= set(anchors[0].tolist())
+    assert int(preferred[1][anchors[1]].sum()) >= 4  # the quota, plus any the uniform rest happens to draw
+    assert int(preferred[1][sample_anchors(mask, 8, torch.Generator().manual_seed(5), preferred, 1.0)[0][1]].sum()) == 8
+
+
+def test_decoding_rounds_walk_one_past_each_accepted_run():
+    runs = {10: 2, 13: 0, 14: 6, 19: 3}
+    # answer 10..21, γ = 4: the prefill says token 10; each anchor is one past the last accepted draft (a run of 6
+    # accepts only γ); the last round verifies only what is left before the end
+    assert decoding_rounds(10, 12, 4, runs.__getitem__) == [(10, 4, 2), (13, 4, 0), (14, 4, 4), (19, 1, 1)]
+    assert decoding_rounds(5, 1, 4, runs.__getitem__) == []
+    assert answer_spans(torch.tensor([0, 1, 1, 0, 0, 1, 1, 1])) == [(1, 2), (5, 3)]
+    run_rows = torch.tensor([[-1, 3, 0, 0, 0, 0, 1, 1, 0, -1]])
+    visited = visited_anchors(run_rows, torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1, 1]]), 3)
+    assert visited[0].nonzero()[:, 0].tolist() == [1, 5, 6, 8]
 
 
 def test_block_supervision_is_the_contiguous_in_mask_prefix():

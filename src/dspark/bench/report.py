@@ -217,7 +217,8 @@ def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
     for label, folder in runs.items():
         rows = read_jsonl(Path(folder) / "metrics.jsonl")
         curves[label] = [{"step": r["step"], "seconds": r["seconds"], "tokens": r["tokens"], "tau": r["tau_greedy"],
-                          "real_tau": r.get("decode_tau_all")} for r in rows if "tau_greedy" in r]
+                          "real_tau": r.get("decode_tau_all"), "rounds_tau": r.get("tau_rounds")}
+                         for r in rows if "tau_greedy" in r]
         decoded[label] = [(r["tokens"], r["decode_tau_all"]) for r in rows if "decode_tau_all" in r]
     panels = 3 if any(decoded.values()) else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
@@ -261,19 +262,21 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
     fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
     ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"  # noqa: E731
     out = [f"## {title}", "", "Reproduce with:", "", "```bash", command, "```", "",
-           "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data,",
+           "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data",
+           "(along the rounds: at the anchors greedy decoding of those prompts visits, where the run logged it),",
            f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
            "evaluations; – where a run has no evaluation around that point).", "",
            f"| run | steps | τ at {tokens / 1e3:.0f}k tokens | {reference} ÷ run | τ at {seconds / 60:.0f} min | "
-           f"{reference} ÷ run | final τ (step, minutes) | last real-decoding τ (step) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           f"{reference} ÷ run | final τ (step, minutes) | final τ along the rounds | last real-decoding τ (step) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for label, pts in runs.items():
         tok, sec = at[label]
         last = pts[-1]
         real = [p for p in pts if p.get("real_tau") is not None]  # runs with --decode-eval-every
         real_cell = f"{real[-1]['real_tau']:.3f} ({real[-1]['step']})" if real else "–"
         out.append(f"| {label} | {last['step']} | {fmt(tok)} | {ratio(ref_tok, tok)} | {fmt(sec)} | {ratio(ref_sec, sec)} | "
-                   f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) | {real_cell} |")
+                   f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) | {fmt(last.get('rounds_tau'))} | "
+                   f"{real_cell} |")
     out += ["", f"![training curves]({plot})", ""]
     return "\n".join(out)
 

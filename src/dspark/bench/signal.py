@@ -22,7 +22,7 @@ from dspark.bench.report import save_figure
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.stats import SpecStats
-from dspark.training.anchors import anchor_candidates
+from dspark.training.anchors import anchor_candidates, answer_spans, decoding_rounds, leading_runs
 from dspark.training.data import Example
 
 
@@ -30,26 +30,23 @@ from dspark.training.data import Example
 class LeadingRuns:
     """A finished answer scored teacher-forced at every anchor: how many drafts in a row equal the text after it."""
 
-    first: int  # position of the answer's first token
+    spans: list[tuple[int, int]]  # (first position, length) of each answer
     anchors: torch.Tensor  # [A] positions p with p and p+1 in the answer
     runs: torch.Tensor  # [A] leading run of drafts equal to the text after p
     full: torch.Tensor  # [A] all γ labels after p lie inside the answer
 
 
 @torch.no_grad()
-def leading_runs(drafter, target, example: Example) -> LeadingRuns:
-    """One target forward and one drafter forward over the whole example, every answer position an anchor."""
+def score_answer(drafter, target, example: Example) -> LeadingRuns:
+    """One target forward and one drafter pass over the whole example, every answer position an anchor."""
     ids = torch.tensor([example.input_ids])
     mask = torch.tensor([example.loss_mask])
-    anchors = anchor_candidates(mask)[0].nonzero()[:, 0]
     features = target.forward_sequences(ids, logits=False, features=drafter.target_layer_ids).features
-    out = drafter(features, ids, anchors[None])
-    guess = out.logits[0].argmax(-1)
-    guess = guess if drafter.d2t is None else drafter.d2t[guess]
+    runs = leading_runs(drafter, features, ids, mask)[0]
+    anchors = anchor_candidates(mask)[0].nonzero()[:, 0]
     label_pos = anchors[:, None] + torch.arange(1, drafter.block_size + 1)
-    inside = (label_pos < ids.shape[1]) & mask[0].bool()[label_pos.clamp(max=ids.shape[1] - 1)]
-    runs = ((guess == out.labels[0]) & inside).long().cumprod(-1).sum(-1)
-    return LeadingRuns(example.loss_mask.index(1), anchors, runs, inside.all(-1))
+    full = (label_pos < ids.shape[1]).all(-1) & mask[0].bool()[label_pos.clamp(max=ids.shape[1] - 1)].all(-1)
+    return LeadingRuns(answer_spans(mask[0]), anchors, runs[anchors], full)
 
 
 def every_position(scored: list[LeadingRuns], gamma: int) -> SpecStats:
@@ -61,39 +58,38 @@ def every_position(scored: list[LeadingRuns], gamma: int) -> SpecStats:
     return stats
 
 
-def along_rounds(scored: LeadingRuns, gamma: int, max_new_tokens: int) -> SpecStats:
-    """Teacher-forced acceptance at the anchors greedy decoding at a fixed γ visits: the first answer token, then one
-    past each round's accepted drafts, never verifying past max_new_tokens (the engine's rule)."""
-    run_at = dict(zip(scored.anchors.tolist(), scored.runs.tolist()))
+def along_rounds(scored: list[LeadingRuns], gamma: int) -> SpecStats:
+    """Teacher-forced acceptance at the anchors greedy decoding at a fixed γ visits in each answer
+    (`decoding_rounds`): for text the target wrote greedily, what decoding its prompt would accept."""
     stats = SpecStats(gamma)
-    produced = 1  # the first answer token comes from the prefill
-    while produced < max_new_tokens:
-        verified = min(gamma, max_new_tokens - produced - 1)
-        accepted = min(run_at[scored.first + produced - 1], verified)
-        stats.record(verified, accepted)
-        produced += accepted + 1
+    for answer in scored:
+        run_at = dict(zip(answer.anchors.tolist(), answer.runs.tolist()))
+        for first, length in answer.spans:
+            for _, verified, accepted in decoding_rounds(first, length, gamma, run_at.__getitem__):
+                stats.record(verified, accepted)
     return stats
 
 
 def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: dict[str, list[list[int]]],
                   max_new_tokens: int, progress=print) -> list[dict]:
-    """One row per slice: teacher-forced τ and acceptance by position at every position; for evaluation prompts also
-    along the decoding rounds and in real greedy decoding (float32 output of the engine, no stop tokens, so every
+    """One row per slice: teacher-forced τ and acceptance by position at every position and along the decoding rounds;
+    for evaluation prompts also in real greedy decoding (float32 output of the engine, no stop tokens, so every
     answer runs to max_new_tokens and the rounds are comparable one to one)."""
     gamma, rows = drafter.block_size, []
     for name, examples in slices.items():
-        scored = [leading_runs(drafter, target, e) for e in examples]
-        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(scored, gamma)))
+        scored = [score_answer(drafter, target, e) for e in examples]
+        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(scored, gamma),
+                        rounds=along_rounds(scored, gamma)))
         progress(rows[-1])
     engine = SpeculativeEngine(target, drafter, FixedLength())
     for name, ids in prompts.items():
-        real, walked, scored = SpecStats(gamma), SpecStats(gamma), []
+        real, scored = SpecStats(gamma), []
         for prompt, result in zip(ids, engine.generate(ids, max_new_tokens, stop_token_ids=set())):
             real = real.merge(result.stats)
             answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
-            scored.append(leading_runs(drafter, target, answer))
-            walked = walked.merge(along_rounds(scored[-1], gamma, max_new_tokens))
-        rows.append(row(name, "target's answers", every_position(scored, gamma), rounds=walked, real=real))
+            scored.append(score_answer(drafter, target, answer))
+        rows.append(row(name, "target's answers", every_position(scored, gamma), rounds=along_rounds(scored, gamma),
+                        real=real))
         progress(rows[-1])
     return rows
 
@@ -117,7 +113,8 @@ def signal_section(run: dict, command: str, plot: str, name: str = "signal") -> 
     machine = (f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
                f"{', '.join(m['cpu_flags']) or 'n/a'}; target {run['dtype']}; drafter `{run['drafter']}`.")
     legend = ("τ = 1 + accepted drafts per round (greedy, fixed γ). *Teacher-forced*: the drafter on the text at every "
-              "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits; "
+              "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits (on text "
+              "the target wrote greedily, what decoding its prompt accepts); "
               "*real*: decoded by the engine. In float32, along rounds must equal real (else training and inference "
               "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits.")
     header = ("| slice | text | anchors | teacher-forced τ | accept pos 1 / 2 / 3 (teacher-forced) | along rounds τ "
