@@ -37,6 +37,22 @@ class SlowEngine(SpeculativeEngine):
         return super().step(*args, **kwargs)
 
 
+class GatedEngine(SpeculativeEngine):
+    """Holds every round after the first until `release` is set: a request stays in flight for as long as a test
+    needs, however slow the machine."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.release = threading.Event()
+        self.rounds = 0
+
+    def step(self, *args, **kwargs):
+        self.rounds += 1
+        if self.rounds > 1:
+            self.release.wait(timeout=60)
+        return super().step(*args, **kwargs)
+
+
 @pytest.fixture(scope="module")
 def tiny(tiny_run):
     folder, _ = tiny_run
@@ -169,13 +185,15 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
 def test_requests_over_the_limit_are_answered_429(tiny):
     target, drafter = tiny
     config = ServeConfig("tiny", max_concurrent=1, max_tokens_limit=500)
-    app = create_app(SlowEngine(target, drafter), target.tokenizer, config)
+    engine = GatedEngine(target, drafter)
+    app = create_app(engine, target.tokenizer, config)
     body = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 300, "stream": True,
             "temperature": 0}
     with LiveServer(app) as server:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
             next(r.iter_lines())
             second = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False), timeout=30)
+            engine.release.set()
             assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
 
 
