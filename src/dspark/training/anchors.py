@@ -84,14 +84,22 @@ def leading_runs(drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_
     return runs
 
 
+def rounds_by_row(runs: torch.Tensor, loss_mask: torch.Tensor, gamma: int) -> list[list[tuple[int, int, int]]]:
+    """Per row, the rounds (`decoding_rounds`) greedy decoding takes through each of its answers, given
+    `leading_runs`."""
+    walks = []
+    for row_runs, mask in zip(runs.cpu(), loss_mask.cpu()):
+        walks.append([r for first, length in answer_spans(mask)
+                      for r in decoding_rounds(first, length, gamma, lambda p: int(row_runs[p]))])
+    return walks
+
+
 def visited_anchors(runs: torch.Tensor, loss_mask: torch.Tensor, gamma: int) -> torch.Tensor:
     """[B, L] bool: the anchors greedy decoding visits in each answer of each row, given `leading_runs`."""
     visited = torch.zeros(runs.shape, dtype=torch.bool)
-    runs = runs.cpu()
-    for row in range(runs.shape[0]):
-        for first, length in answer_spans(loss_mask[row].cpu()):
-            for anchor, _, _ in decoding_rounds(first, length, gamma, lambda p: int(runs[row, p])):
-                visited[row, anchor] = True
+    for row, walk in enumerate(rounds_by_row(runs, loss_mask, gamma)):
+        for anchor, _, _ in walk:
+            visited[row, anchor] = True
     return visited
 
 

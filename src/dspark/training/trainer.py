@@ -26,8 +26,8 @@ from dspark.drafter import DSparkConfig, lineage, load_drafter, new_drafter, por
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, recover_dir
-from dspark.training.anchors import (answer_spans, block_supervision, decoding_rounds, leading_runs, position_weights,
-                                     sample_anchors, visited_anchors)
+from dspark.training.anchors import (block_supervision, leading_runs, position_weights, rounds_by_row, sample_anchors,
+                                     visited_anchors)
 from dspark.training.data import Example, examples_from_record, read_records, spread_slice
 from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
 from dspark.training.loss import LossWeights, dspark_loss
@@ -436,12 +436,10 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
         accepted_pos += lead.sum(0).float().cpu()
         reached_pos += reached.sum(0).float().cpu()
         with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=cfg.bf16):
-            every = leading_runs(drafter, batch.features, batch.input_ids, batch.loss_mask).cpu()
-        for row, mask in enumerate(batch.loss_mask.cpu()):
-            for first, length in answer_spans(mask):
-                walk = decoding_rounds(first, length, gamma, lambda p: int(every[row, p]))
-                rounds += len(walk)
-                round_tokens += sum(accepted + 1 for _, _, accepted in walk)
+            every = leading_runs(drafter, batch.features, batch.input_ids, batch.loss_mask)
+        for walk in rounds_by_row(every, batch.loss_mask, gamma):
+            rounds += len(walk)
+            round_tokens += sum(accepted + 1 for _, _, accepted in walk)
     drafter.train()
     if not blocks:
         return {}
