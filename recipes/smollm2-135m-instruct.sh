@@ -7,7 +7,8 @@
 # and DeepSpec) and trained on for 150 steps with the second data set appended; (c) 260 more steps with the third
 # (llama.cpp-regenerated) set appended and cross-entropy as the main loss term, then (d) the same run resumed to 600
 # steps; (e) 1,700 steps more with the fourth set (assistant requests, code) appended; (f) 1,000 more with the fifth;
-# (g) 950 more with the sixth; (h) 600 more on the same six sets with a batch of more, shorter samples and lower rates.
+# (g) 950 more with the sixth; (h) 600 more on the same six sets with a batch of more, shorter samples and lower rates;
+# (i) 600 more with the seventh set appended, the same recipe.
 # By default all start from the regenerated data committed in data/ (the exact records the shipped drafter saw). REGENERATE=1 rebuilds the data from scratch instead: the prompt mix, then the target's answers on both cores
 # for REGEN_SECONDS (records arrive in a machine-dependent order, so the result is similar, not identical), used by
 # every leg.
@@ -139,8 +140,14 @@ continue_leg PINNED leg6 leg7 "$ALL6" 950 "${LEG6_BATCH[@]}" --eval-every 475
 #     min). The shipped run was started as 800 steps and resumed with 560 at step 40 and 600 at step 80.
 continue_leg BOTH_CORES leg7 leg8 "$ALL6" 600 --num-anchors 64 --batch-size 8 --lr 1.5e-4 --copied-lr-scale 0.1 \
   --eval-every 300 --decode-eval-every 600
+# 3i. Leg 9: leg 8 as shipped continued on all seven sets (the seventh: assistant requests, code and math from our
+#     engine in bfloat16), leg 8's recipe and launcher, 600 steps (~8.9 s/step, ~90 min).
+ALL7=${ALL7:-$RUN/train1234567.jsonl}
+with_set "$ALL7" "$ALL6" data/smollm2-135m-instruct-regen7-assist-bf16.jsonl.gz
+continue_leg BOTH_CORES leg8 leg9 "$ALL7" 600 --num-anchors 64 --batch-size 8 --lr 1.5e-4 --copied-lr-scale 0.1 \
+  --eval-every 300
 # 4. Calibrate the confidence head on held-out prompts (not the evaluation sets) and ship it in bfloat16.
 OUT=${OUT:-$RUN/shipped}
-dspark export "$RUN/leg8/checkpoint" "$OUT" --dtype bfloat16 --overwrite
+dspark export "$RUN/leg9/checkpoint" "$OUT" --dtype bfloat16 --overwrite
 dspark calibrate --drafter "$OUT" --data data/calibration-prompts.jsonl --limit 40 --max-new-tokens 64 --dtype float32 \
   --out "$OUT/calibration.json" --plot "$OUT/calibration.png"
