@@ -84,8 +84,9 @@ fi
 #     step 260 and anneals again (the shipped run spent steps 261-270 on a 660-step stretch before settling on 600).
 dspark train --out "$RUN/leg3" --resume --max-steps 600 --eval-every 100 --decode-eval-every 100 --threads 2 --quiet
 # 3e. Leg 5: leg 3d as shipped (bfloat16) continued on all four sets, the fourth being MT-Bench-style assistant
-#     requests and HumanEval-style code; bfloat16 target and autocast (the defaults: 1.5x float32 per step on a CPU
-#     with native bfloat16, an AMX Xeon; on an AVX2-only CPU add --target-dtype float32 --no-bf16), a fresh optimizer,
+#     requests and HumanEval-style code; from here on the precision follows the machine (the default): the shipped
+#     legs 5-9 ran in bfloat16 on CPUs with native bfloat16 (1.5x float32 per step on an AMX Xeon); on an AVX2-only
+#     EPYC a bfloat16 step took 5.5x as long as a float32 one, so float32 is chosen there; a fresh optimizer,
 #     5 % warm-up, 1,700 steps (3.8 s/step on 2 AMX Xeon cores, 108 min). The shipped run was started as 2,400
 #     steps and resumed with --max-steps 2000 at step 20 and 1700 at step 400 to fit the session; each resume
 #     recomputes the cosine schedule (under 1 % of the learning rate at those points).
@@ -99,7 +100,7 @@ if [ ! -f "$RUN/leg5/checkpoint/trainer_state.json" ]; then
   [ -d "$RUN/leg4" ] || dspark export "$RUN/leg3/checkpoint" "$RUN/leg4" --dtype bfloat16
   dspark train --data "$ALL4" --out "$RUN/leg5" --init-from "$RUN/leg4" --ce-weight 1.0 --tv-weight 0.0 \
     --target-topk 32 --num-anchors 256 --batch-size 4 --lr 5e-4 --warmup-ratio 0.05 --max-steps 1700 \
-    --target-dtype bfloat16 --eval-every 300 --save-every 20 --decode-eval-every 600 --threads 2 --quiet
+    --eval-every 300 --save-every 20 --decode-eval-every 600 --threads 2 --quiet
 else
   dspark train --out "$RUN/leg5" --resume --max-steps 1700 --threads 2 --quiet
 fi
@@ -120,7 +121,7 @@ continue_leg() {  # LAUNCHER PREVIOUS NEXT DATA STEPS [train flags: batch, learn
     [ -d "$RUN/$prev-export" ] || dspark export "$RUN/$prev/checkpoint" "$RUN/$prev-export" --dtype bfloat16
     OMP_NUM_THREADS=1 "${launch[@]}" train --data "$data" --out "$RUN/$next" --init-from "$RUN/$prev-export" \
       --ce-weight 1.0 --tv-weight 0.0 --target-topk 32 --warmup-ratio 0.05 --max-steps "$steps" \
-      --target-dtype bfloat16 --save-every 20 --threads 1 --quiet "$@"
+      --save-every 20 --threads 1 --quiet "$@"
   else
     OMP_NUM_THREADS=1 "${launch[@]}" train --out "$RUN/$next" --resume --max-steps "$steps" --threads 1 --quiet
   fi

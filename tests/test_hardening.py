@@ -140,9 +140,15 @@ def test_resume_trains_in_the_given_folder_and_refuses_changes(tiny_run, tmp_pat
     before = (a / "checkpoint" / "model.safetensors").read_bytes()
     refused(capsys, "--lr would change what it learns", "train", "--out", b, "--resume", "--lr", "0.5")
     refused(capsys, "already holds a run", "train", "--out", b, *common)
+    # Precision is how it computes, not what it learns: a run moved to a CPU where bfloat16 is fast (or slow) may
+    # change it on resume, and the checkpoint records the change.
+    code, err = run_cli(capsys, "train", "--out", b, "--resume", "--max-steps", "3", "--bf16", "--quiet")
+    assert code == 0, err
+    assert json.loads((b / "checkpoint" / "trainer_state.json").read_text())["train_config"]["bf16"] is True
     code, err = run_cli(capsys, "train", "--out", b, "--resume", "--max-steps", "4", "--quiet")
     assert code == 0, err
-    assert json.loads((b / "checkpoint" / "trainer_state.json").read_text())["loop"]["step"] == 4
+    state = json.loads((b / "checkpoint" / "trainer_state.json").read_text())
+    assert state["loop"]["step"] == 4 and state["train_config"]["bf16"] is True
     assert (a / "checkpoint" / "model.safetensors").read_bytes() == before  # the run it was copied from: untouched
 
 

@@ -409,7 +409,7 @@ def cmd_bench_train(args) -> int:
     out = check_output_dir(args.out, "--out")
     check_output_file(args.markdown, "--markdown")
     setup_torch(args)
-    base = dict(markov_rank=args.markov_rank, num_anchors=64, target_dtype="bfloat16")
+    base = dict(markov_rank=args.markov_rank, num_anchors=64)
     rows = time_levers(args.data, args.model, base, steps=args.steps, batch_size=args.batch_size)
     command = "dspark " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     out.mkdir(parents=True, exist_ok=True)

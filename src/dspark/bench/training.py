@@ -31,11 +31,12 @@ def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: i
     from dspark.target import Target
 
     levers = levers or LEVERS
-    target = Target.load(model, dtype=base.get("target_dtype", "bfloat16"))
+    cpu = torch.device("cpu")
+    target = Target.load(model, dtype=TrainConfig(model=model, **base).for_device(cpu).target_dtype)
     rows = []
     for name, overrides in levers.items():
         settings = dict(base, **{k: v for k, v in overrides.items() if k != "feature_cache"})
-        cfg = TrainConfig(data=data, out=workdir, model=model, batch_size=batch_size, **settings)
+        cfg = TrainConfig(data=data, out=workdir, model=model, batch_size=batch_size, **settings).for_device(cpu)
         train_set, _, _ = load_examples(target, data, cfg.max_length, holdout=0.0)
         batches = [train_set[i * batch_size : (i + 1) * batch_size] for i in range(steps + 1)]
         used = [e for b in batches for e in b]
@@ -72,12 +73,14 @@ def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: i
                      "features_ms_per_step": round(1000 * t_target / steps, 1),
                      "loss_and_update_ms_per_step": round(1000 * t_drafter / steps, 1),
                      "us_per_supervised_position": round(1e6 * (t_target + t_drafter) / max(1, positions), 1),
-                     "supervised_positions": positions})
+                     "supervised_positions": positions, "target_dtype": cfg.target_dtype, "bf16_autocast": cfg.bf16})
     return rows
 
 
 def levers_markdown(rows: list[dict], command: str) -> str:
     out = ["## Training cost by lever", "", "Reproduce with:", "", "```bash", command, "```", "",
+           f"Target in {rows[0]['target_dtype']}, drafter autocast to bfloat16 {'on' if rows[0]['bf16_autocast'] else 'off'}"
+           " (chosen for this CPU, as `dspark train` does).", "",
            "| setting | ms / step | features ms | loss + update ms | µs / supervised position |",
            "| --- | --- | --- | --- | --- |"]
     base = rows[0]["us_per_supervised_position"]

@@ -47,10 +47,15 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def native_bf16_flags() -> list[str]:
+    """This CPU's flags for native bfloat16 arithmetic; empty where bfloat16 is emulated (and slower than float32)."""
+    flags = cpu_flags()
+    return sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+
+
 def choose_precision(model: str, load) -> PrecisionChoice:
     """The precision for `model` on this machine; `load(dtype)` returns a Target (only called when measuring)."""
-    flags = cpu_flags()
-    native = sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+    native = native_bf16_flags()
     if not native:
         return PrecisionChoice("float32", "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is "
                                           "faster", {})
