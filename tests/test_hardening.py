@@ -246,6 +246,10 @@ def test_paths_of_the_wrong_kind_are_refused_before_loading(tmp_path, capsys):
     if not torch.cuda.is_available():
         refused(capsys, "--device cuda:0: this machine has no CUDA GPU", "train", "--out", tmp_path / "r", "--data",
                 data, "--device", "cuda:0")
+        refused(capsys, "--device cuda: this machine has no CUDA GPU", "regenerate", "--prompts", data, "--out",
+                tmp_path / "o.jsonl", "--device", "cuda")
+    refused(capsys, "is not a device name", "regenerate", "--prompts", data, "--out", tmp_path / "o.jsonl",
+            "--device", "gpu0")
 
 
 def test_prompt_mix_needs_its_evaluation_sets(tmp_path, capsys):

@@ -255,6 +255,24 @@ def test_regeneration_resumes_without_duplicates_or_losses(tmp_path, monkeypatch
         assert len(r["assistant_token_ids"]) == users and r["sampling"]["temperature"] == 0.0
 
 
+def test_regeneration_time_limit_finishes_what_it_started_and_a_rerun_does_the_rest(tmp_path, monkeypatch):
+    """--max-minutes: past the limit no conversation starts, those under way (a follow-up turn included) are written
+    whole, and the next run answers the rest."""
+    target = CountingTarget(tiny_target(eos=7))
+    records = [{"id": f"r{i}", "messages": [{"role": "user", "content": "x" * i}] * (1 + i % 2)} for i in range(20)]
+    out = tmp_path / "regen.jsonl"
+    clock = {"t": 0.0}
+    monkeypatch.setattr(regen_mod.time, "perf_counter", lambda: clock.__setitem__("t", clock["t"] + 1.0) or clock["t"])
+    report = regen_mod.regenerate(target, records, out, max_new_tokens=5, batch_size=4, progress=False, max_seconds=3)
+    first = [json.loads(x) for x in out.read_text().splitlines()]
+    assert 0 < report["records_written"] == len(first) < 20 and report["records_left"] == 20 - len(first)
+    for r in first:  # whole conversations only
+        assert len(r["assistant_token_ids"]) == sum(m["role"] == "user" for m in r["messages"])
+    report = regen_mod.regenerate(target, records, out, max_new_tokens=5, batch_size=4, progress=False)
+    assert report["records_left"] == 0 and report["skipped_done"] == len(first)
+    assert sorted(json.loads(x)["id"] for x in out.read_text().splitlines()) == sorted(r["id"] for r in records)
+
+
 # ---- the loop (tiny target, real files) -----------------------------------------------------------------------------
 def tiny_config(folder, data, out, **overrides):
     from dspark.training.trainer import TrainConfig

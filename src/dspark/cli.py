@@ -738,6 +738,7 @@ def cmd_prompts(args) -> int:
 
 
 def cmd_regenerate(args) -> int:
+    from dspark.target import Target, resolve_device
     from dspark.training.data import read_records
     from dspark.training.regenerate import completed_ids, regenerate
 
@@ -748,7 +749,13 @@ def cmd_regenerate(args) -> int:
     if args.limit:
         records = records[: args.limit]
     completed_ids(out)  # an --out that is not regenerate output is refused before the target loads
-    target = load_target(args)
+    device = resolve_device(args.device)
+    if device.type == "cpu":
+        target = load_target(args)
+    else:  # auto precision was measured for CPUs; a GPU answers in bfloat16
+        setup_torch(args)
+        target = Target.load(args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, device=device,
+                             quantize=args.quantize)
     llm = None
     if args.backend == "llama-cpp":
         import torch
@@ -756,7 +763,8 @@ def cmd_regenerate(args) -> int:
         from dspark.training.llama_backend import load_llama
 
         llm = load_llama(gguf_arg(args.gguf, args.model), target, torch.get_num_threads())
-    report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args), llm=llm)
+    report = regenerate(target, records, out, args.max_new_tokens, args.batch_size, sampling_from(args), llm=llm,
+                        max_seconds=60 * args.max_minutes)
     print(json.dumps(report))
     return 0
 
@@ -1055,6 +1063,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="who answers: our engine (batched) or llama.cpp on the target's GGUF (one sequence per "
                         "process, faster per core; needs llama-cpp-python)")
     p.add_argument("--gguf", help="--backend llama-cpp: the target's GGUF (default: the known target's own file)")
+    p.add_argument("--device", default="cpu", help="cpu, auto or cuda:N: answer on a GPU (where --dtype auto means "
+                                                   "bfloat16)")
+    p.add_argument("--max-minutes", type=finite_float, default=0.0,
+                   help="start no new conversation after this many minutes (0 = no limit); those under way are "
+                        "finished and written, and a rerun continues with the rest")
     p.set_defaults(func=cmd_regenerate)
 
     from dspark.training.trainer import TrainConfig

@@ -53,6 +53,22 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer.encode("\n".join(m["content"] for m in messages))
 
 
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """--device as a torch device, refused with the fix when this machine lacks it; auto: this rank's GPU if CUDA is
+    available, else the CPU."""
+    if device == "auto":
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise DSparkError(f"--device {device!r} is not a device name; use auto, cpu or cuda:N") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise DSparkError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto)")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise DSparkError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) here")
+    return torch.device("cuda", dev.index or 0) if dev.type == "cuda" else dev  # CUDA calls want the index
+
+
 @dataclass
 class TargetOutput:
     logits: torch.Tensor | None  # [B, n, V] float32

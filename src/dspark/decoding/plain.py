@@ -33,7 +33,7 @@ def stream_plain(
     stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
     cache = target.new_cache(0)
     rows: list[tuple[object, RequestState, torch.Generator, float]] = []
-    last = torch.empty(0, target.vocab_size)
+    last = torch.empty(0, target.vocab_size, device=target.device)
     admitted = 0
     # A prefill costs about as much as a decode step of the whole batch: admit in groups, not one row at a time.
     admit_at = max(1, max_batch // 4)

@@ -61,14 +61,17 @@ def regenerate(
     sampling: SamplingParams = SamplingParams(),
     progress: bool = True,
     llm=None,
+    max_seconds: float = 0.0,
 ) -> dict:
-    """Answer every record not yet in `out_path`, with our engine or, given `llm`, with llama.cpp."""
+    """Answer every record not yet in `out_path`, with our engine or, given `llm`, with llama.cpp. After
+    `max_seconds` (0 = no limit) no new conversation starts; those under way finish and are written, so a fixed lease
+    (a GPU for ten minutes) ends with whole records, and a rerun continues with the rest."""
     out_path = Path(out_path)
     done = completed_ids(out_path)
     todo = [r for r in records if r["id"] not in done]
     queue = deque()  # (conversation id, prompt ids) of the turns waiting for an answer
     if llm is None:
-        backend = {"name": "dspark", "dtype": str(target.dtype).removeprefix("torch.")}
+        backend = {"name": "dspark", "dtype": str(target.dtype).removeprefix("torch."), "device": target.device.type}
         answers = stream_plain(target, queue, batch_size, max_new_tokens, sampling)
     else:
         from dspark.training.llama_backend import backend_identity, stream_llama
@@ -98,12 +101,17 @@ def regenerate(
         state[r["id"]] = {"record": r, "source": r["messages"], "messages": [], "next": 0, "ids": [], "finish": []}
         schedule(r["id"])
 
-    tokens = 0
+    tokens = written = 0
     start = time.perf_counter()
     bar = tqdm(total=len(todo), desc="regenerate", unit="conv", disable=not progress, dynamic_ncols=True)
     with contextlib.ExitStack() as files:
         f = None  # opened with the first finished record: a run that fails before it leaves no empty file
         for rid, result in answers:
+            if max_seconds and time.perf_counter() - start > max_seconds and len(queue):
+                under_way = {rid for rid, s in state.items() if s["ids"]}
+                kept = [item for item in queue if item[0] in under_way]  # follow-up turns of started conversations
+                queue.clear()
+                queue.extend(kept)
             s = state[rid]
             tokens += len(result.token_ids)
             s["messages"].append({"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)})
@@ -121,9 +129,10 @@ def regenerate(
             f.flush()
             os.fsync(f.fileno())
             del state[rid]
+            written += 1
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     seconds = time.perf_counter() - start
-    return {"records_written": len(todo), "skipped_done": len(done), "new_tokens": tokens, "seconds": round(seconds, 1),
+    return {"records_written": written, "records_left": len(todo) - written, "skipped_done": len(done), "new_tokens": tokens, "seconds": round(seconds, 1),
             "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}

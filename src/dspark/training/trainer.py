@@ -25,6 +25,7 @@ from tqdm import tqdm
 from dspark.drafter import DSparkConfig, lineage, load_drafter, new_drafter, port_to_qwen3, read_checkpoint_meta
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
+from dspark.target import resolve_device
 from dspark.fsutil import atomic_dir, recover_dir
 from dspark.training.anchors import (block_supervision, leading_runs, position_weights, rounds_by_row, sample_anchors,
                                      visited_anchors)
@@ -212,17 +213,7 @@ def flag(name: str) -> str:
 # ---- distributed --------------------------------------------------------------------------------------------------
 def init_distributed(device: str) -> tuple[int, int, torch.device]:
     """(rank, world size, this rank's device): NCCL across GPUs, gloo across CPU processes."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if device == "auto":
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    try:
-        dev = torch.device(device)
-    except RuntimeError as e:
-        raise DSparkError(f"--device {device!r} is not a device name; use auto, cpu or cuda:N") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise DSparkError(f"--device {device}: this machine has no CUDA GPU; use --device cpu (or auto)")
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise DSparkError(f"--device {device}: only {torch.cuda.device_count()} GPU(s) here")
+    dev = resolve_device(device, int(os.environ.get("LOCAL_RANK", 0)))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not dist.is_initialized():
@@ -586,8 +577,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     rank, world, device = init_distributed(cfg.device)
     cfg = cfg.for_device(device)
     if rank == 0:
-        print(f"dspark: target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'} "
-              f"on {device_name(device)}")
+        print(f"dspark: target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'}, "
+              f"{device_name(device)}")
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
     torch.manual_seed(cfg.seed + rank)
