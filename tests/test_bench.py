@@ -290,11 +290,18 @@ def test_scaling_fits_real_tau_against_tokens_and_extrapolates_to_the_goal(tmp_p
     assert rows["mean"]["exponent"] == pytest.approx(0.5, abs=1e-3)
     assert rows["mean"]["tokens_for_goal"] == pytest.approx(25e6, rel=1e-3)
     assert rows["mean"]["times_now"] == pytest.approx(6.25, abs=0.06)
-    assert rows["mean"]["core_hours_more"] == pytest.approx(21.0, abs=0.1)
+    assert rows["mean"]["hours_more"] == pytest.approx(21.0, abs=0.1) and rows["mean"]["hour"] == "core-hour"
     assert rows["mt-bench"]["goal"] == 1.8 and rows["mt-bench"]["tokens_for_goal"] == pytest.approx(4e6, rel=1e-3)
     md = (tmp_path / "B.md").read_text()
     assert "## scaling: real τ against cumulative training compute" in md and "| mean | 1.40 → 1.57 → 1.80 | 0.50 | 3 | 25M |" in md
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
+    last = json.loads(signals[-1].read_text())  # the last leg on a GPU: the hours still to train are GPU-hours
+    last["training"]["last_leg"]["device"] = "cuda: NVIDIA H200"
+    signals[-1].write_text(json.dumps(last))
+    assert run_cli(capsys, "scaling", "--signal", *signals, "--out", tmp_path / "out", "--markdown", tmp_path / "B.md")[0] == 0
+    rows = {r["set"]: r for r in json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]}
+    assert rows["mean"]["hour"] == "GPU-hour" and rows["mean"]["hours_more"] == pytest.approx(21.0, abs=0.1)
+    assert "| GPU-hours more |" in (tmp_path / "B.md").read_text()
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"rows": [{"slice": "gsm8k", "real_tau": 1.5}]}))
     refused(capsys, "no training totals of its drafter", "scaling", "--signal", old, signals[0], "--out", tmp_path)

@@ -204,6 +204,23 @@ def test_loss_mask_covers_assistant_tokens_only(real_target):
     assert forced.input_ids[-3:] == [1, 2, 3] and sum(forced.loss_mask) == 3
 
 
+def test_prompts_exclude_what_an_earlier_set_answered(tmp_path, capsys):
+    from conftest import run_cli
+
+    first, again = tmp_path / "first.jsonl", tmp_path / "again.jsonl"
+    assert run_cli(capsys, "prompts", "--out", first, "--count", "300", "--seed", "5", "--mix", "assist=1")[0] == 0
+    answered = tmp_path / "answered.jsonl.gz"
+    with gzip.open(answered, "wt") as f:  # a regenerated set holding half of them, under other ids
+        for line in first.read_text().splitlines()[:150]:
+            f.write(json.dumps(dict(json.loads(line), id="done-" + json.loads(line)["id"])) + "\n")
+    assert run_cli(capsys, "prompts", "--out", again, "--count", "300", "--seed", "5", "--mix", "assist=1",
+                   "--exclude", answered)[0] == 0
+    openings = lambda path: [r["messages"][0]["content"] for r in read_records(path)]  # noqa: E731
+    done = set(openings(first)[:150])
+    assert openings(again) == [o for o in openings(first) if o not in done] and 0 < len(openings(again)) <= 150
+    assert json.loads(Path(str(again) + ".report.json").read_text())["excluded_already_answered"] == len(openings(first)) - len(openings(again))
+
+
 # ---- regeneration -------------------------------------------------------------------------------------------------
 class CountingTarget:
     """Wraps a tiny target so that it can encode chat and counts the prompts it answers."""

@@ -731,6 +731,16 @@ def cmd_prompts(args) -> int:
 
     check_output_file(args.out, "--out")
     records, report = build_prompts(args.count, args.seed, args.eval_dir, args.mix)
+    if args.exclude:
+        from dspark.training.data import read_records
+
+        def opening(record):  # the first user turn: the same opening is the same prompt to answer
+            return next(m["content"].strip() for m in record["messages"] if m["role"] == "user")
+
+        seen = {opening(r) for path in args.exclude for r in read_records(path)}
+        kept = [r for r in records if opening(r) not in seen]
+        report["excluded_already_answered"] = len(records) - len(kept)
+        records = kept
     atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     atomic_write_json(str(args.out) + ".report.json", report)
     print(json.dumps(report))
@@ -1049,6 +1059,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mix", type=prompt_mix, help="shares per source, e.g. assist=1 or chat=0.18,math=0.39,code=0.39,"
                                                   "instruct=0.04 (default: chat 0.08, assist 0.10, math 0.39, code "
                                                   "0.39, instruct 0.04)")
+    p.add_argument("--exclude", nargs="+", default=[], metavar="JSONL",
+                   help="drop prompts whose opening user turn one of these files (JSONL or .jsonl.gz: earlier "
+                        "regenerated sets) already holds, so new regeneration answers only new prompts")
     p.set_defaults(func=cmd_prompts)
 
     p = sub.add_parser("regenerate", help="have the target answer every prompt (resumable JSONL)")

@@ -24,7 +24,8 @@ class Point:
     tokens: int  # cumulative training tokens of the drafter measured
     core_hours: float | None
     tau: dict[str, float]  # real-decoding τ per evaluation set
-    tokens_per_core_hour: float | None  # throughput of the drafter's last leg
+    tokens_per_hour: float | None  # throughput of the drafter's last leg, per hour of one core or one GPU
+    hour: str  # "core-hour" or "GPU-hour": what the last leg ran on
 
 
 def read_point(path: Path) -> Point:
@@ -42,9 +43,10 @@ def read_point(path: Path) -> Point:
         raise DSparkError(f"--signal {path}: no real-decoding rows; run bench-signal with evaluation --datasets")
     last = totals.get("last_leg") or {}
     rate = None
-    if last.get("tokens") and last.get("core_seconds") and not str(last.get("device", "")).startswith("cuda"):
+    if last.get("tokens") and last.get("core_seconds"):  # a GPU leg counts GPU-seconds there
         rate = last["tokens"] / (last["core_seconds"] / 3600)
-    return Point(path.stem, int(totals["tokens"]), totals.get("core_hours"), tau, rate)
+    hour = "GPU-hour" if str(last.get("device", "")).startswith("cuda") else "core-hour"
+    return Point(path.stem, int(totals["tokens"]), totals.get("core_hours"), tau, rate, hour)
 
 
 def power_fit(tokens: list[float], tau: list[float]) -> tuple[float, float] | None:
@@ -68,7 +70,7 @@ def scaling_table(points: list[Point], goals: dict[str, float]) -> list[dict]:
     series = {s: [p.tau[s] for p in points] for s in sets}
     series["mean"] = [sum(p.tau[s] for s in sets) / len(sets) for p in points]
     tokens = [p.tokens for p in points]
-    rate = points[-1].tokens_per_core_hour
+    rate = points[-1].tokens_per_hour
     rows = []
     for name, taus in series.items():
         goal = goals.get(name, goals["*"])
@@ -79,7 +81,8 @@ def scaling_table(points: list[Point], goals: dict[str, float]) -> list[dict]:
         rows.append({"set": name, "goal": goal, "tau": [round(t, 3) for t in taus], "exponent": None if fit is None else round(fit[1], 3),
                      "scale": None if fit is None else fit[0], "tokens_for_goal": None if need is None else round(need),
                      "times_now": None if need is None else round(need / tokens[-1], 1),
-                     "core_hours_more": None if need is None or rate is None else round(max(0.0, need - tokens[-1]) / rate)})
+                     "hours_more": None if need is None or rate is None else round(max(0.0, need - tokens[-1]) / rate, 2),
+                     "hour": points[-1].hour})
     return rows
 
 
@@ -87,22 +90,22 @@ def scaling_section(run: dict, command: str, plot: str, name: str) -> str:
     pts = run["points"]
     legs = ", ".join(f"{p['label']} ({p['tokens'] / 1e6:.2f}M tokens"
                      + (f", {p['core_hours']:.1f} core-h" if p["core_hours"] is not None else "") + ")" for p in pts)
-    rate = pts[-1]["tokens_per_core_hour"]
+    rate, hour = pts[-1]["tokens_per_hour"], pts[-1]["hour"]
     out = [f"## {name}: real τ against cumulative training compute", "", f"Run {run['when']}. Reproduce with:", "",
            "```bash", command, "```", "",
            f"Points, oldest first: {legs}. Fit: τ − 1 = a · tokens^b per set, least squares in log-log; the last "
            "columns extrapolate it to each set's goal"
-           + (f", at the last leg's {rate / 1e3:.0f}k training tokens per core-hour" if rate else "")
+           + (f", at the last leg's {rate / 1e6:.2f}M training tokens per {hour}" if rate else "")
            + ". The legs changed data, loss and precision as well as compute: read the fit as the project's history "
              "so far, not as a controlled sweep.", "",
-           "| set | real τ by point | exponent b | goal τ | tokens for the goal | × now | core-hours more |",
+           f"| set | real τ by point | exponent b | goal τ | tokens for the goal | × now | {hour}s more |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for r in run["rows"]:
         need = "–" if r["tokens_for_goal"] is None else f"{r['tokens_for_goal'] / 1e6:,.0f}M"
         taus = " → ".join(f"{t:.2f}" for t in r["tau"])
         exponent = "–" if r["exponent"] is None else f"{r['exponent']:.2f}"
         times = "–" if r["times_now"] is None else f"{r['times_now']:,.0f}×"
-        hours = "–" if r["core_hours_more"] is None else f"{r['core_hours_more']:,}"
+        hours = "–" if r["hours_more"] is None else f"{r['hours_more']:,.2f}" if r["hours_more"] < 10 else f"{r['hours_more']:,.0f}"
         out.append(f"| {r['set']} | {taus} | {exponent} | {r['goal']:g} | {need} | {times} | {hours} |")
     out += ["", f"![real τ against training tokens]({plot})", ""]
     return "\n".join(out)
