@@ -342,3 +342,15 @@ def test_ngram_proposer_is_lossless_and_learns_the_targets_habits():
     counts, sampled = sampled_counts(peaked, NgramProposer(habits, peaked.vocab_size, 3), [1, 2, 3], 4, params, 6000)
     assert sum(r.stats.tokens - r.stats.rounds for r in sampled) > 0.2 * 6000
     assert chi_square_p(seqs, probs, counts, 6000) > 1e-3
+
+
+def test_continuous_batching_decodes_each_request_as_if_alone(target):
+    """Rows finish at different steps (a wide stop set), stay in the cache until a quarter of the batch is done or
+    new requests join, and neither the rows carried nor the compactions change anyone's tokens."""
+    prompts = [[1, 5 + i, 9, 3 + 2 * i, 40 + i][: 2 + i % 4] for i in range(11)]
+    stop = set(range(20, 34))
+    alone = [generate_plain(target, [p], 24, stop_token_ids=stop)[0].token_ids for p in prompts]
+    assert len({len(a) for a in alone}) >= 3  # rows really do finish at different steps
+    for max_batch in (3, 8):
+        together = generate_plain(target, prompts, 24, stop_token_ids=stop, max_batch=max_batch)
+        assert [r.token_ids for r in together] == alone
