@@ -4,7 +4,9 @@
 # answers, twice. Resumable: rerun the same command after any stop.
 #
 #   bash recipes/gpu.sh                                    # RUN=runs/gpu
-#   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SEED, STEPS, BATCH, LR, INIT, RUN, PY
+#   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SEED, STEPS, TRAIN_MINUTES, BATCH,
+#                                                          #        LR, INIT, RUN, PY
+#   TRAIN_MINUTES=4 STEPS=100000 bash recipes/gpu.sh       # one leg that fits 4 minutes of steps (a fixed lease)
 #
 # It needs torch with CUDA (`pip install torch==<version>` from the CUDA index on a GPU machine, or an image that has
 # it: PY=python3 with PYTHONPATH=src); the target comes from its package as everywhere, nothing is downloaded. On the
@@ -40,7 +42,8 @@ for STEPS_OF_LEG in ${STEPS:-500 700}; do
   else
     dspark train --data "$DATA" --out "$OUTDIR" --init-from "$PREV" --device auto --ce-weight 1.0 --tv-weight 0.0 \
       --target-topk 32 --warmup-ratio 0.05 --num-anchors 64 --batch-size "${BATCH:-64}" --lr "${LR:-3e-4}" \
-      --copied-lr-scale 0.1 --max-steps "$STEPS_OF_LEG" --eval-every "$STEPS_OF_LEG" --save-every 50 --quiet
+      --copied-lr-scale 0.1 --max-steps "$STEPS_OF_LEG" --max-minutes "${TRAIN_MINUTES:-0}" \
+      --eval-every "$STEPS_OF_LEG" --save-every 50 --quiet
   fi
   dspark export "$OUTDIR/checkpoint" "$OUTDIR-export" --dtype bfloat16 --overwrite
   PREV="$OUTDIR-export"

@@ -443,6 +443,30 @@ def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
 
 
+def test_max_minutes_fits_the_schedule_to_the_time_the_first_steps_took(tiny_run, tmp_path, monkeypatch):
+    """Each training step takes 0.5 s on a fake clock; --max-minutes 0.1 (6 s) leaves, after 10 steps (5 s), room
+    for 2 more: the schedule ends at 12 of the 1,000 asked, its learning rate reaches the end of its cosine, and the
+    fitted length is saved, so a plain --resume keeps it."""
+    import types
+
+    import dspark.training.trainer as trainer_mod
+
+    clock = {"t": 0.0}
+
+    def tick():
+        clock["t"] += 0.5
+        return clock["t"]
+
+    monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=tick))
+    folder, data = tiny_run
+    trainer_mod.train(tiny_config(folder, data, tmp_path / "run", max_steps=1000, max_minutes=0.1), progress=False)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == list(range(1, 13))
+    assert steps[-1]["lr"] < 0.1 * 3e-3  # near the cosine's end (unfitted, step 12 of 1,000 is still warming up)
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["training"]
+    assert saved["max_steps"] == 12
+
+
 def test_resumed_run_takes_appended_data_and_extends_its_feature_cache(tiny_run, tmp_path):
     """One run across sessions: trained on the first records, resumed on a file that appends more. The appended
     examples get their own feature-cache build (equal to the target run live), join from a new epoch, and the

@@ -99,6 +99,9 @@ class TrainConfig:
     # optimisation
     epochs: float = opt(1.0, "passes over the data")
     max_steps: int = opt(0, "stop after this many steps (> 0 overrides --epochs)")
+    max_minutes: float = opt(0.0, "fit the run into this many minutes of training steps (loading and evaluations "
+                                  "not counted): after 10 steps their measured time sets the schedule's length, at "
+                                  "most what --max-steps / --epochs ask; 0 = off")
     batch_size: int = opt(8, "sequences per micro-batch and process")
     grad_accum: int = opt(1, "micro-batches per optimizer step")
     lr: float = opt(6e-4, "peak learning rate (warmup, then cosine)")
@@ -139,7 +142,7 @@ class TrainConfig:
         for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every"):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "epochs", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight",
+        for name in ("lr", "epochs", "max_minutes", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight",
                      "decay", "warmup_ratio", "holdout"):
             value = getattr(self, name)
             if not math.isfinite(value):
@@ -181,7 +184,7 @@ class TrainConfig:
 
 # Settings a resumed run may change: how long it runs, how often it reports, where and in what precision it computes,
 # and its data, which may only grow by appended records (checked on resume), not what it learns from them.
-RESUMABLE = ("epochs", "max_steps", "eval_every", "save_every", "device", "target_dtype", "bf16", "feature_cache", "data",
+RESUMABLE = ("epochs", "max_steps", "max_minutes", "eval_every", "save_every", "device", "target_dtype", "bf16", "feature_cache", "data",
              "decode_eval_every", "decode_eval_sets", "decode_eval_prompts", "decode_eval_tokens")
 
 
@@ -560,6 +563,18 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     return groups
 
 
+FIT_AFTER_STEPS = 10  # steps timed before --max-minutes sets the schedule's length
+
+
+def fit_to_minutes(total: int, step: int, seconds_per_step: float, seconds_left: float, device: torch.device) -> int:
+    """The schedule's length once the step time is known: as many more steps as fit the time left, never beyond
+    `total` nor before this step; every rank gets the smallest, so all stop together."""
+    fitted = torch.tensor([min(total, step + max(0, int(seconds_left / seconds_per_step)))], device=device)  # NCCL: on the GPU
+    if dist.is_initialized():
+        dist.all_reduce(fitted, op=dist.ReduceOp.MIN)
+    return int(fitted.item())
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
     warmup = max(1, int(cfg.warmup_ratio * total))
     if step < warmup:
@@ -664,7 +679,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     start = time.perf_counter() - loop["seconds"]
     batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
     last = {}
+    fit_from = loop["step"]  # --max-minutes counts this invocation's steps: not loading, evaluations, checkpoints
+    step_seconds = first_step = 0.0
     while loop["step"] < total:
+        step_started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         micro = []
         for _ in range(cfg.grad_accum):
@@ -697,6 +715,15 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.step()
         loop["step"] += 1
+        step_seconds += time.perf_counter() - step_started
+        first_step = first_step or step_seconds  # the first step also warms up (allocations, kernels): not timed
+        if cfg.max_minutes and loop["step"] == fit_from + FIT_AFTER_STEPS:
+            per_step = (step_seconds - first_step) / (FIT_AFTER_STEPS - 1)
+            total = fit_to_minutes(total, loop["step"], per_step, cfg.max_minutes * 60 - step_seconds, device)
+            cfg = replace(cfg, max_steps=total)  # saved with the checkpoints, so a plain --resume keeps the schedule
+            bar.total = total
+            if rank == 0:
+                bar.write(f"dspark: {per_step:.2f} s a step: {total} steps fit --max-minutes {cfg.max_minutes:g}")
         elapsed = time.perf_counter() - start
         loop["core_seconds"] += (elapsed - loop["seconds"]) * cores
         loop["seconds"] = elapsed
