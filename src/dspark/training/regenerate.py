@@ -108,7 +108,7 @@ def regenerate(
         f = None  # opened with the first finished record: a run that fails before it leaves no empty file
         for rid, result in answers:
             if max_seconds and time.perf_counter() - start > max_seconds and len(queue):
-                under_way = {rid for rid, s in state.items() if s["ids"]}
+                under_way = {cid for cid, conv in state.items() if conv["ids"]}
                 kept = [item for item in queue if item[0] in under_way]  # follow-up turns of started conversations
                 queue.clear()
                 queue.extend(kept)

@@ -25,8 +25,8 @@ from tqdm import tqdm
 from dspark.drafter import DSparkConfig, lineage, load_drafter, new_drafter, port_to_qwen3, read_checkpoint_meta
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
-from dspark.target import resolve_device
 from dspark.fsutil import atomic_dir, recover_dir
+from dspark.target import resolve_device
 from dspark.training.anchors import (block_supervision, leading_runs, position_weights, rounds_by_row, sample_anchors,
                                      visited_anchors)
 from dspark.training.data import Example, examples_from_record, read_records, spread_slice
