@@ -51,7 +51,7 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
         self.decoder.few_rows_transposed = True
         return self
 
-    monkeypatch.setattr(Target, "choose_few_row_form", transposed)
+    monkeypatch.setattr(Target, "choose_product_forms", transposed)
     folder, _ = tiny_run
     target = Target.load(str(folder))
     tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())

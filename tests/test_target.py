@@ -175,12 +175,48 @@ def test_few_row_products_in_either_form_agree(tmp_path, monkeypatch):
         r.token_ids for r in generate_plain(target, prompts, 30)]
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
-    target.choose_few_row_form(repeats=1)
+    target.choose_product_forms(repeats=1)
     [saved] = (tmp_path / "kernels").glob("tiny-97-0-float32-*.json")
     measured = json.loads(saved.read_text())
     assert set(measured["verify_4_and_8_ms"]) == {"linear", "transposed"}
-    saved.write_text(json.dumps({"few_rows_transposed": not measured["few_rows_transposed"]}))
-    assert target.choose_few_row_form().decoder.few_rows_transposed != measured["few_rows_transposed"]  # cached
+    saved.write_text(json.dumps({"few_rows_transposed": not measured["few_rows_transposed"], "packed": False}))
+    assert target.choose_product_forms().decoder.few_rows_transposed != measured["few_rows_transposed"]  # cached
     saved.write_text("{torn")
-    target.choose_few_row_form(repeats=1)  # a damaged record is measured again
+    target.choose_product_forms(repeats=1)  # a damaged record is measured again
     assert "verify_4_and_8_ms" in json.loads(saved.read_text())
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_measurement(tmp_path, monkeypatch):
+    """decoder.PackedWeight: one reorder into oneDNN's layout, then every product (1 row, a verify, a batch) as
+    F.linear gives it; the target switches all its matrices at once and back, and a machine's recorded choice is
+    applied at load."""
+    import json
+
+    from dspark.decoder import PackedWeight, linear
+
+    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    for rows in (1, 8, 64):
+        x = torch.randn(rows, 1, 64, dtype=torch.bfloat16)
+        torch.testing.assert_close(linear(x, PackedWeight(w), b), torch.nn.functional.linear(x, w, b),
+                                   rtol=1e-2, atol=1e-2)
+
+    target = tiny_target(eos=7, dtype=torch.bfloat16)
+    ids = torch.randint(0, 90, (1, 16))
+    logits = []
+    for packed in (False, True, False):
+        target.use_packed_weights(packed)
+        matrices = [p[name] for p in target.decoder.layers for name in ("qkv_w", "o_w", "gate_up", "down")]
+        assert all(isinstance(m, PackedWeight) == packed for m in matrices + [target.head_weight])
+        cache = target.new_cache(1)
+        target.forward(cache, ids[:, :12])
+        logits.append(target.forward(cache, ids[:, 12:]).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=2e-2, atol=2e-2)
+    assert torch.equal(logits[0], logits[2])  # unpacking restores the very same matrices
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target.choose_product_forms(repeats=1)  # a tiny model is all Python: measured as not worth packing
+    [saved] = (tmp_path / "kernels").glob("tiny-97-0-bfloat16-*.json")
+    assert json.loads(saved.read_text())["packed"] is False
+    saved.write_text(json.dumps({"few_rows_transposed": False, "packed": True}))  # as on the AMX Xeon
+    assert isinstance(target.choose_product_forms().head_weight, PackedWeight)

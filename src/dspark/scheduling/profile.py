@@ -93,8 +93,8 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
 def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
     """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
     read from the dspark cache."""
-    # The few-row product form is part of the key: a table measured in the other form would be stale.
-    form = "wxt" if target.decoder.few_rows_transposed else "linear"
+    # The product forms are part of the key: a table measured in other forms would be stale.
+    form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
     path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form)
     if path.exists():
         return CostTable.load(path)
