@@ -213,6 +213,9 @@ def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_mea
         logits.append(target.forward(cache, ids[:, 12:]).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=2e-2, atol=2e-2)
     assert torch.equal(logits[0], logits[2])  # unpacking restores the very same matrices
+    from dspark.bench.engine import streamed_bytes
+
+    assert streamed_bytes(target.use_packed_weights(True)) == streamed_bytes(target.use_packed_weights(False))
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     target.choose_product_forms(repeats=1)  # a tiny model is all Python: measured as not worth packing

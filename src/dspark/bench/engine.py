@@ -46,11 +46,13 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 def streamed_bytes(target) -> int:
     """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
     (int8 matrices at one byte per weight plus their scales); the embedding lookup reads one row."""
-    from dspark.decoder import Int8Weight
+    from dspark.decoder import Int8Weight, PackedWeight
 
     def size(w) -> int:
         if w is None:
             return 0
+        if isinstance(w, PackedWeight):
+            w = w.dense  # the same values in another layout
         if isinstance(w, Int8Weight):
             return w.q.numel() + w.scale.numel() * w.scale.element_size()
         return w.numel() * w.element_size()
@@ -137,6 +139,10 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
             replaced = profile_target(target, counts, context, repeats)
             rows["ours, F.linear on few rows"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
             target.decoder.few_rows_transposed = True
+        if target.decoder.packed:  # the packed weights this machine chose, beside the plain ones
+            replaced = profile_target(target.use_packed_weights(False), counts, context, repeats)
+            rows["ours, weights not packed"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
+            target.use_packed_weights(True)
         if not quantized:  # the HF model is not quantized: nothing to compare with there
             rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
         if llm is not None and dtype == dtypes[0]:
