@@ -73,8 +73,20 @@ class PackedWeight:
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """Packed products exist for bfloat16 on a CPU torch built with oneDNN."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+    """Packed products exist for bfloat16 on a CPU torch built with oneDNN whose kernels run on this CPU."""
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16_runs()
+
+
+@functools.cache
+def _onednn_bfloat16_runs() -> bool:
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:  # oneDNN may refuse bfloat16 on a CPU without the instructions for it
+        weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16), weight, None, "none", [], "")
+        return True
+    except (RuntimeError, AttributeError):
+        return False
 
 
 # Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
