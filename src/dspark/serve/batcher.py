@@ -85,12 +85,13 @@ class EngineLoop:
                 room = self.max_batch - len(batch.rows)
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
                 cancelled, self.cancelled = self.cancelled, set()
+                for sub in new:  # in flight from pending to active under the lock: load() never misses one
+                    if sub.request.index not in cancelled:
+                        self.active[sub.request.index] = sub
                 self.metrics.queue_depth.set(len(self.pending))
             for sub in new:
                 if sub.request.index in cancelled:  # gone before it started
                     self._finish(sub, "cancelled")
-                else:
-                    self.active[sub.request.index] = sub
             new = [s for s in new if s.request.index in self.active]
             for index in cancelled:
                 self.engine.cancel(batch, index)
