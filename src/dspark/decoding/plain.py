@@ -37,8 +37,10 @@ def stream_plain(
     admitted = 0
     # A prefill costs about as much as a decode step of the whole batch: admit in groups, not one row at a time.
     admit_at = max(1, max_batch // 4)
-    while queue or any(not state.finished for _, state, _, _ in rows):
+    while True:
         live = [i for i, (_, state, _, _) in enumerate(rows) if not state.finished]
+        if not live and not queue:
+            break
         admit = bool(queue) and (max_batch - len(live) >= min(admit_at, len(queue)) or not live)
         # Finished rows stay in the cache (decoding a token nobody reads) until a quarter of the batch has finished
         # or new requests join: each compaction copies the whole cache, which cost a third of regeneration's time
