@@ -178,6 +178,29 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
         build_prompts(10, 0, default_eval_dir(), {"poetry": 1.0})
 
 
+def test_code_tasks_come_from_libraries_too_with_their_docstrings_cut_to_summary_and_examples():
+    from dspark.cli import default_eval_dir
+    from dspark.training.sources import LIBRARY_MODULES, _doc_digest, _documented_functions, build_prompts
+
+    functions = _documented_functions(LIBRARY_MODULES, library=True)
+    by_library = {q.split(".")[0] for q, *_ in functions}
+    assert by_library == {"numpy", "networkx", "sympy"} and len(functions) > 1000  # doubles the stdlib's ~1,400
+    docs = [doc for _, _, doc, _ in functions]
+    assert not any(re.search(r"^(Parameters|Returns|See Also)\n[-=]{3,}", d, re.M) for d in docs)  # sections cut ...
+    assert sum(">>> " in d for d in docs) > 300  # ... but the worked examples kept
+    assert not any("<" in sig or "backend_kwargs" in sig for _, sig, _, _ in functions if "networkx" not in sig)
+    numpydoc = "Add things.\n\nParameters\n----------\nx : int\n\nExamples\n--------\n>>> add(1)\n2\n\n>>> add(2)\n3"
+    assert _doc_digest(numpydoc) == "Add things.\n\n>>> add(1)\n2\n>>> add(2)\n3"
+    assert _doc_digest("Plain stdlib text.\n\nMore.") == "Plain stdlib text.\n\nMore."
+    records, report = build_prompts(40, 0, default_eval_dir(), {"library": 0.5, "math": 0.5})
+    library = [r for r in records if r["source"] == "library"]
+    assert report["counts"]["library"] == len(library) == 20 and all(r["id"].startswith("library-") for r in library)
+    names = {q.split(".")[-1] for q, *_ in functions}
+    texts = [r["messages"][0]["content"] for r in library]
+    assert sum(bool(names & set(re.findall(r"\w+", t))) for t in texts) >= len(texts) / 2  # most name the function
+    assert not any(re.search(r"function (to|that) (returns|computes|finds) ", t) for t in texts)
+
+
 def test_prompt_formats(tmp_path):
     (tmp_path / "p.txt").write_text("first\n\nsecond\n")
     assert [r["messages"][0]["content"] for r in read_records(tmp_path / "p.txt")] == ["first", "second"]

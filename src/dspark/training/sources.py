@@ -1,11 +1,14 @@
 """Training prompts that ship offline and never overlap the evaluation sets.
 
-Five sources, mixed like the paper's data (conversation 18 %, math 39 %, code 39 %, instructions 4 %):
+Six sources, the first five mixed like the paper's data (conversation 18 %, math 39 %, code 39 %, instructions 4 %):
 - chat: opening turns of human conversations from the `chitchat-dataset` package (MIT);
 - assist: assistant requests in the kinds MT-Bench asks (writing, roleplay, extraction, reasoning, STEM and
   humanities), half of them with a follow-up turn, from templates and word lists;
 - math: word problems and exercises generated from templates with random numbers;
 - code: tasks built from the Python standard library's own functions and docstrings;
+- library: the same kinds of tasks from the public functions of numpy, networkx and sympy (installed with dspark and
+  torch), their docstrings cut to the summary and worked examples (a source apart, so that the prompt files of the
+  other sources stay what they were for a given seed);
 - instruct: short writing and explanation requests from templates.
 Every prompt is checked against the evaluation prompts (8-word shingles) and dropped on any overlap.
 """
@@ -23,7 +26,7 @@ from pathlib import Path
 from dspark.errors import DSparkError
 from dspark.fsutil import read_jsonl
 
-MIX = {"chat": 0.08, "assist": 0.10, "math": 0.39, "code": 0.39, "instruct": 0.04}
+MIX = {"chat": 0.08, "assist": 0.10, "math": 0.39, "code": 0.39, "instruct": 0.04, "library": 0.0}
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
 
@@ -129,13 +132,22 @@ def readable_signature(sig: str) -> str | None:
     would put a memory address, different in every process, into the prompt); None when one cannot be named."""
     sig = re.sub(r"<(?:function|built-in function) ([\w.]+) at 0x[0-9a-f]+>", r"\1", sig)
     sig = re.sub(r"<class '([\w.]+)'>", r"\1", sig)
+    sig = sig.replace("=<no value>", "=None")  # numpy's marker for "not given"
+    sig = re.sub(r"(, \*)?, backend=None, \*\*backend_kwargs", "", sig)  # networkx's dispatcher adds these
     return None if "<" in sig else sig
 
 
-def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
-    """(qualified name, signature, docstring, source or None) of public documented stdlib functions/methods."""
+# Public functions of libraries every dspark install has (numpy; networkx and sympy come with torch): thousands more
+# documented functions than the standard library, many with the worked examples a HumanEval prompt carries.
+LIBRARY_MODULES = ["numpy", "numpy.linalg", "networkx", "sympy"]
+
+
+def _documented_functions(module_names: list[str], library: bool = False) -> list[tuple[str, str, str, str | None]]:
+    """(qualified name, signature, docstring, source or None) of the public documented functions (and, for the
+    standard library, methods) of these modules. A library's namespace gathers functions from its submodules; those
+    it re-exports from other packages, and its classes, are left out."""
     found, seen = [], set()
-    for name in STDLIB_MODULES:
+    for name in module_names:
         try:
             module = importlib.import_module(name)
         except Exception:
@@ -144,13 +156,17 @@ def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
         for attr, obj in vars(module).items():
             if attr.startswith("_"):
                 continue
-            if inspect.isfunction(obj) or inspect.isbuiltin(obj):
+            if library:
+                own = (getattr(obj, "__module__", None) or "").split(".")[0] == name.split(".")[0]
+                if own and inspect.isroutine(obj):
+                    members.append((attr, obj))
+            elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
                 members.append((attr, obj))
             elif inspect.isclass(obj) and getattr(obj, "__module__", "") == module.__name__:
                 members += [(f"{attr}.{m}", f) for m, f in vars(obj).items() if not m.startswith("_") and inspect.isfunction(f)]
         for qual, obj in members:
             doc = inspect.getdoc(obj) or ""
-            doc = doc.strip()
+            doc = _doc_digest(doc.strip()) if library else doc.strip()
             if len(doc.split()) < 6 or doc in seen:
                 continue
             seen.add(doc)
@@ -166,6 +182,37 @@ def _stdlib_functions() -> list[tuple[str, str, str, str | None]]:
                 src = None
             found.append((f"{name}.{qual}", sig, doc, src))
     return found
+
+
+SECTION_HEADER = re.compile(r"^[ \t]*\w[\w ]*\n[ \t]*(?:-{3,}|={3,})[ \t]*$", re.M)
+
+
+THIRD_PERSON_VERBS = {"Returns", "Computes", "Finds", "Generates", "Checks", "Creates", "Tests", "Transforms",
+                      "Calculates", "Converts", "Determines", "Counts", "Adds", "Removes", "Gets", "Builds",
+                      "Constructs", "Evaluates", "Estimates", "Selects", "Draws", "Writes", "Reads", "Gives"}
+
+
+def _doc_digest(doc: str, max_example_lines: int = 8) -> str:
+    """A numpydoc or sympy docstring (sections underlined with --- or ===) as a HumanEval prompt's docstring: the
+    summary before the first section, then the first doctest examples (>>> lines and the output after them)."""
+    header = SECTION_HEADER.search(doc)
+    if header is None:
+        return doc
+    examples, in_example = [], False
+    for line in doc[header.start():].splitlines():
+        stripped = line.strip()
+        if stripped.startswith((">>>", "...")):
+            in_example = True
+        elif not stripped:
+            in_example = False
+            continue
+        if in_example:
+            examples.append(stripped)
+    summary = doc[: header.start()].strip()
+    first, _, rest = summary.partition(" ")
+    if first in THIRD_PERSON_VERBS:  # "Returns the ..." -> "Return the ...": the code tasks read "Write a function to ..."
+        summary = first[:-1] + " " + rest
+    return summary + ("\n\n" + "\n".join(examples[:max_example_lines]) if examples else "")
 
 
 def _first_sentence(doc: str) -> str:
@@ -202,9 +249,10 @@ def _code_prompt(style: int, qual: str, sig: str, doc: str, src: str | None, rng
 CODE_STYLES = 7
 
 
-def code_prompts(rng: random.Random, count: int) -> list[list[str]]:
-    """Distinct (function, style) pairs, styles weighted towards writing code (as HumanEval/MBPP ask)."""
-    functions = _stdlib_functions()
+def code_prompts(rng: random.Random, count: int, functions=None) -> list[list[str]]:
+    """Distinct (function, style) pairs of these functions (the standard library's by default), styles weighted
+    towards writing code (as HumanEval/MBPP ask)."""
+    functions = _documented_functions(STDLIB_MODULES) if functions is None else functions
     pairs = [(f, style) for f in functions for style in range(CODE_STYLES)]
     weights = [3, 3, 1, 1, 1, 1, 1]
     rng.shuffle(pairs)
@@ -378,6 +426,10 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
         "math": math_prompts(rng, want.get("math", 0)),
         "code": code_prompts(rng, want.get("code", 0)),
         "instruct": instruct_prompts(rng, want.get("instruct", 0)),
+        # Last, and only when asked for, so that it draws nothing from rng otherwise: a seed keeps giving the files
+        # it gave before this source existed.
+        "library": code_prompts(rng, want["library"], _documented_functions(LIBRARY_MODULES, library=True))
+        if want.get("library") else [],
     }
     records, dropped, seen = [], {}, set()
     for source, prompts in pools.items():
