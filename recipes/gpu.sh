@@ -4,8 +4,8 @@
 # answers, twice. Resumable: rerun the same command after any stop.
 #
 #   bash recipes/gpu.sh                                    # RUN=runs/gpu
-#   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SEED, STEPS, TRAIN_MINUTES, BATCH,
-#                                                          #        LR, INIT, RUN, PY
+#   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SEED, MIX, STEPS, TRAIN_MINUTES,
+#                                                          #        BATCH, LR, INIT, RUN, PY
 #   TRAIN_MINUTES=4 STEPS=100000 bash recipes/gpu.sh       # one leg that fits 4 minutes of steps (a fixed lease)
 #
 # It needs torch with CUDA (`pip install torch==<version>` from the CUDA index on a GPU machine, or an image that has
@@ -21,8 +21,8 @@ dspark() { "$PY" -m dspark.cli "$@"; }
 # 1. New prompts (none that a committed set or the calibration prompts already hold), answered greedily in bfloat16
 #    on the GPU; after REGEN_MINUTES no conversation starts, and a rerun continues.
 if [ "${REGEN_MINUTES:-3}" != 0 ]; then
-  [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 24000 --seed "${SEED:-13}" \
-    --mix assist=0.5,code=0.35,math=0.15 --exclude data/*regen*.jsonl.gz data/calibration-prompts.jsonl
+  [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 24000 --seed "${SEED:-15}" \
+    --mix "${MIX:-assist=0.5,code=0.15,library=0.2,math=0.15}" --exclude data/*regen*.jsonl.gz data/calibration-prompts.jsonl
   dspark regenerate --prompts "$RUN/prompts.jsonl" --out "$RUN/regen.jsonl" --device auto --batch-size 512 \
     --max-new-tokens 384 --max-minutes "${REGEN_MINUTES:-3}"
 fi
