@@ -223,3 +223,24 @@ def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_mea
     assert json.loads(saved.read_text())["packed"] is False
     saved.write_text(json.dumps({"few_rows_transposed": False, "packed": True}))  # as on the AMX Xeon
     assert isinstance(target.choose_product_forms().head_weight, PackedWeight)
+
+
+def test_folded_and_causal_attention_equal_grouped_attention_under_the_mask():
+    """The CUDA forms (query heads folded into the query length; causal with no mask) compute what enable_gqa with
+    the explicit mask computes; here on the CPU, forced."""
+    from dspark.decoder import attention
+    from dspark.kvcache import causal_visibility
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 6, 5, 8), torch.randn(3, 2, 11, 8), torch.randn(3, 2, 11, 8)
+    mask = torch.rand(3, 1, 5, 11) > 0.3
+    mask[..., 0] = True  # every query sees something
+    reference = attention(q, k, v, mask, 0.3, fold=False)
+    assert torch.allclose(attention(q, k, v, mask, 0.3, fold=True), reference, atol=1e-6)
+    grouped = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, dim=1), v.repeat_interleave(3, dim=1), attn_mask=mask, scale=0.3)
+    assert torch.allclose(reference, grouped, atol=1e-6)  # query head h reads key head h // 3
+    square = torch.randn(3, 2, 5, 8)
+    causal = causal_visibility(torch.arange(5).expand(3, 5), 5)
+    assert torch.allclose(attention(q, square, square, None, 0.3, causal=True),
+                          attention(q, square, square, causal, 0.3, fold=True), atol=1e-6)

@@ -43,6 +43,26 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (h * (1.0 + weight.float())).type_as(x)
 
 
+def attention(q, keys, values, mask, scale: float, causal: bool = False, fold: bool | None = None) -> torch.Tensor:
+    """Attention of q [B, H, W, hd] over grouped keys/values [B, Hkv, S, hd] (GQA), under a boolean mask [B, 1, W, S]
+    or causally from slot 0 (`causal`, no mask). On CUDA (`fold` None: decided by the device), each group's query
+    heads are folded into the query length instead of passing enable_gqa: PyTorch's fused CUDA kernels take no mask
+    together with enable_gqa, and SDPA then falls back to its math kernel, which materialises every score in float32.
+    The folded form is the same attention (query head h reads key head h // groups either way); a causal pass keeps
+    enable_gqa, which flash attention takes when there is no mask."""
+    groups = q.shape[1] // keys.shape[1]
+    if fold is None:
+        fold = q.is_cuda
+    if groups > 1 and fold and not causal:
+        batch, heads, width, dim = q.shape
+        folded = q.reshape(batch, keys.shape[1], groups * width, dim)  # row j*W + w: head (kv, j), position w
+        mask = None if mask is None else mask.expand(batch, 1, width, -1).repeat(1, 1, groups, 1)
+        out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
+        return out.view(batch, heads, width, dim)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=groups > 1)
+
+
 def softcapped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
     """Attention with Gemma 2's logit soft-capping, cap·tanh(scores/cap), which SDPA cannot express."""
     groups = q.shape[1] // keys.shape[1]
@@ -208,8 +228,11 @@ class LeanDecoder:
         slots = cache.open(width)
         positions = slots.positions
         upto = int(positions[:, -1].max()) + 1
-        # One token per row at one common length sees every slot up to itself: no mask at all.
-        full = None if width == 1 and slots.start is not None else causal_visibility(positions, upto)
+        # One token per row at one common length sees every slot up to itself: no mask at all. Rows that all start at
+        # slot 0 (a prefill, a training sequence) are plain causal attention: no mask either, which lets SDPA take its
+        # fused kernels (on CUDA, flash) instead of reading a [W, W] mask.
+        causal = slots.start == 0 and width > 1 and not self.softcap
+        full = None if (width == 1 and slots.start is not None) or causal else causal_visibility(positions, upto)
         masks = {"full_attention": full}
         if "sliding_attention" in self.layer_types:
             # A sliding layer sees the last `window` positions (itself included) of its own row.
@@ -239,8 +262,7 @@ class LeanDecoder:
             if self.softcap:
                 out = softcapped_attention(q, keys, values, mask, self.scaling, self.softcap)
             else:
-                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling,
-                                                     enable_gqa=self.kv_heads != self.heads)
+                out = attention(q, keys, values, mask, self.scaling, causal=causal and mask is None)
             out = project(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
             x = x + (out if p["attn_out_norm"] is None else norm(out, p["attn_out_norm"], eps))
             gate, up = project(norm(x, p["post_norm"], eps), p["gate_up"]).chunk(2, dim=-1)

@@ -12,10 +12,9 @@ from __future__ import annotations
 import importlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from dspark.decoder import rotate
+from dspark.decoder import attention, rotate
 from dspark.errors import DSparkError
 
 
@@ -97,6 +96,6 @@ def layer_forward(layer: nn.Module, x: torch.Tensor, cos, sin, ctx_k, ctx_v, mas
     v = _heads(attn, h, attn.v_proj)
     k = torch.cat([ctx_k, k], dim=2)
     v = torch.cat([ctx_v, v], dim=2)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+    out = attention(q, k, v, mask, attn.scaling)
     x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
     return x + layer.mlp(layer.post_attention_layernorm(x))

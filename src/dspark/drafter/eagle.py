@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.decoder import rotate
+from dspark.decoder import attention, rotate
 from dspark.drafter.backbone import _heads
 from dspark.drafter.model import DraftCache, DSparkDrafter, TrainOutput
 from dspark.proposer import Proposal
@@ -39,7 +39,7 @@ class EagleDrafter(DSparkDrafter):
         v = _heads(attn, h, attn.v_proj)
         keys = k if past_k is None else torch.cat([past_k, k], dim=2)
         values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        out = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=True)
+        out = attention(q, keys, values, mask, attn.scaling)
         x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
         return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
 
