@@ -376,6 +376,46 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
+def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_run, tmp_path):
+    """`train --init-from D --draft-vocab-size N` adds the most frequent answer tokens D lacks; D's Markov rows move
+    with their tokens, the new ones start at zero, so before any step the wider drafter proposes what D proposed
+    wherever D could; the run resumes at the wider size; a smaller size is refused."""
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+    from dspark.training.trainer import resumed_config, train
+
+    folder, data = tiny_run
+    target = Target.load(str(folder), dtype="float32")
+    train(tiny_config(folder, data, tmp_path / "narrow", draft_vocab_size=24, max_steps=3), progress=False)
+    narrow = load_drafter(tmp_path / "narrow" / "checkpoint", target)
+    wide = load_drafter(tmp_path / "narrow" / "checkpoint", target)
+    wide.widen_draft_vocab(torch.tensor([0, 1, 2, 40, 41, 42, 43, 44]))
+    assert set(narrow.d2t.tolist()) < set(wide.d2t.tolist()) and wide.d2t.tolist() == sorted(wide.d2t.tolist())
+    rows = {t: i for i, t in enumerate(wide.d2t.tolist())}
+    w2_narrow, w2_wide = narrow.markov_head.markov_w2.weight, wide.markov_head.markov_w2.weight
+    for i, token in enumerate(narrow.d2t.tolist()):
+        assert torch.equal(w2_wide[rows[token]], w2_narrow[i])
+    new_rows = [rows[t] for t in rows if t not in set(narrow.d2t.tolist())]
+    assert new_rows and not w2_wide[new_rows].any()
+    # the wider head's logits on the old tokens are exactly the old ones
+    h, prev = torch.randn(5, target.hidden_size), torch.randint(0, 64, (5,))
+    logits = lambda d: d.base_logits(h) + d.markov_head.step(prev, h, None)[0]  # noqa: E731
+    old_rows = [rows[t] for t in narrow.d2t.tolist()]
+    assert torch.allclose(logits(wide)[:, old_rows], logits(narrow), atol=1e-6)
+
+    run = tmp_path / "wide"
+    cfg = tiny_config(folder, data, run, init_from=str(tmp_path / "narrow" / "checkpoint"), draft_vocab_size=40,
+                      max_steps=6, save_every=3)
+    train(cfg, progress=False)
+    trained = load_drafter(run / "checkpoint", target)
+    assert trained.draft_vocab_size == 40 and set(narrow.d2t.tolist()) <= set(trained.d2t.tolist())
+    train(resumed_config(run, {"max_steps": 8}), resume=True, progress=False)  # what `train --resume` does
+    assert load_drafter(run / "checkpoint", target).draft_vocab_size == 40
+    with pytest.raises(DSparkError, match="can only grow"):
+        train(tiny_config(folder, data, tmp_path / "shrink", init_from=str(run / "checkpoint"), draft_vocab_size=16),
+              progress=False)
+
+
 def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tiny_run, tmp_path):
     """--copied-lr-scale 0 keeps the backbone's layers and final norm exactly the target's top layers while the rest
     learns; the scale is kept in the checkpoint, so a resumed run goes on at the same rates."""

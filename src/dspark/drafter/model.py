@@ -170,6 +170,25 @@ class DSparkDrafter(nn.Module):
             raise DSparkError(f"draft vocabulary must have {self.draft_vocab_size} ids")
         self.d2t.copy_(d2t.to(self.d2t))
 
+    def widen_draft_vocab(self, extra_ids: torch.Tensor) -> None:
+        """Add these target ids to a reduced draft vocabulary (kept sorted). The Markov head keeps its rows for the ids
+        already there and starts the new ones at zero (no sequential bias until trained); their base logits come
+        from the shared LM head, so the widened drafter can propose them at once."""
+        if self.d2t is None:
+            raise DSparkError("this drafter scores the whole vocabulary already; there is nothing to widen")
+        merged = torch.cat([self.d2t, extra_ids.to(self.d2t)]).unique()  # sorted
+        kept_rows = torch.searchsorted(merged, self.d2t)
+        if self.markov_head is not None:
+            old = self.markov_head.markov_w2
+            wide = nn.Linear(old.in_features, len(merged), bias=False).to(old.weight)
+            with torch.no_grad():
+                wide.weight.zero_()
+                wide.weight[kept_rows] = old.weight
+            self.markov_head.markov_w2 = wide
+        self.d2t = merged
+        self.config.draft_vocab_size = len(merged)
+        self._lm_slice = None
+
     def t2d(self) -> torch.Tensor | None:
         """Target id -> draft id, -1 where the target token is outside the draft vocabulary."""
         if self.d2t is None:
