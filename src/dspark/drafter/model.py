@@ -172,8 +172,9 @@ class DSparkDrafter(nn.Module):
 
     def widen_draft_vocab(self, extra_ids: torch.Tensor) -> None:
         """Add these target ids to a reduced draft vocabulary (kept sorted). The Markov head keeps its rows for the ids
-        already there and starts the new ones at zero (no sequential bias until trained); their base logits come
-        from the shared LM head, so the widened drafter can propose them at once."""
+        already there and starts the new ones at zero (no sequential bias until trained). The new ids' base logits
+        come from the shared LM head, which the drafter was never trained against for them: widen, then train (on
+        the shipped drafter, widening alone moved real τ by -0.01)."""
         if self.d2t is None:
             raise DSparkError("this drafter scores the whole vocabulary already; there is nothing to widen")
         merged = torch.cat([self.d2t, extra_ids.to(self.d2t)]).unique()  # sorted

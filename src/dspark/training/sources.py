@@ -210,7 +210,7 @@ def _doc_digest(doc: str, max_example_lines: int = 8) -> str:
             examples.append(stripped)
     summary = doc[: header.start()].strip()
     first, _, rest = summary.partition(" ")
-    if first in THIRD_PERSON_VERBS:  # "Returns the ..." -> "Return the ...": the code tasks read "Write a function to ..."
+    if first in THIRD_PERSON_VERBS:  # "Returns the ..." -> "Return the ...", as "Write a function to ..." needs
         summary = first[:-1] + " " + rest
     return summary + ("\n\n" + "\n".join(examples[:max_example_lines]) if examples else "")
 
