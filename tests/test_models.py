@@ -53,6 +53,31 @@ def test_killed_conversion_leaves_nothing_trusted(monkeypatch, tmp_path):
     assert list(targets.iterdir()) == []  # neither the stale folder nor this attempt's remains
 
 
+def test_processes_that_start_together_convert_once(monkeypatch, tmp_path):
+    """Regeneration shards and DDP ranks load the target at the same moment: one converts, the others wait on the lock
+    and load its folder (before the lock, each removed the others' half-written folder as stale)."""
+    import threading
+    import time
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    conversions = []
+
+    def slow_convert(spec, source, final):
+        conversions.append(spec.name)
+        time.sleep(0.3)
+        final.mkdir(parents=True)
+        (final / "config.json").write_text("{}")
+
+    monkeypatch.setattr(models, "_convert", slow_convert)
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(models.provision("smollm2-135m-instruct"))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert conversions == ["smollm2-135m-instruct"] and len(paths) == 3 and len(set(paths)) == 1
+
+
 def test_list_targets_reports_state(monkeypatch, tmp_path):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     rows = models.list_targets()

@@ -530,6 +530,30 @@ def test_max_minutes_fits_the_schedule_to_the_time_the_first_steps_took(tiny_run
     assert saved["max_steps"] == 12
 
 
+def test_max_minutes_fits_again_once_the_warm_up_steps_are_past(tiny_run, tmp_path, monkeypatch):
+    """As on the H200: the first 20 steps take 1 s each, the rest 0.25 s (fake clock). The fit after 10 steps sees
+    only slow steps (60 fit a minute); the refit after 40, from steps 21-40, lengthens the schedule to the 180 steps
+    that really fit (20 s + 160 x 0.25 s), and the later refits keep it."""
+    import types
+
+    import dspark.training.trainer as trainer_mod
+
+    clock = {"t": 0.0}
+    lr_at = trainer_mod.lr_at
+
+    def timed_lr_at(step, total, cfg):  # called once per step, between the step's two clock readings
+        clock["t"] += 1.0 if step < 20 else 0.25
+        return lr_at(step, total, cfg)
+
+    monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
+    monkeypatch.setattr(trainer_mod, "lr_at", timed_lr_at)
+    folder, data = tiny_run
+    trainer_mod.train(tiny_config(folder, data, tmp_path / "run", max_steps=1000, max_minutes=1.0),
+                      progress=False)
+    steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1]["step"] == 180 and steps[-1]["seconds"] == 60.0
+
+
 def test_resumed_run_takes_appended_data_and_extends_its_feature_cache(tiny_run, tmp_path):
     """One run across sessions: trained on the first records, resumed on a file that appends more. The appended
     examples get their own feature-cache build (equal to the target run live), join from a new epoch, and the

@@ -5,6 +5,7 @@ A target is either a registered name (resolved without any network access) or a 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -93,13 +94,24 @@ def target_gguf(name: str) -> Path:
 
 
 def provision(name: str) -> Path:
-    """Convert a known target's GGUF into a safetensors folder once. Atomic: the folder appears whole or not at all."""
+    """Convert a known target's GGUF into a safetensors folder once. Atomic: the folder appears whole or not at all.
+    Processes that start together (DDP ranks, regeneration shards) wait on one lock, so one converts and the others
+    load its folder."""
     spec = KNOWN_TARGETS[name]
     final = provisioned_path(name)
     if is_provisioned(name):
         return final
     source = _package_folder(spec)
     final.parent.mkdir(parents=True, exist_ok=True)
+    with (cache_dir() / f".provision-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not is_provisioned(name):
+            _convert(spec, source, final)
+    return final
+
+
+def _convert(spec: KnownTarget, source: Path, final: Path) -> None:
+    name = spec.name
     # Leftovers of a killed conversion carry a temporary name: never trusted, removed here.
     for stale in final.parent.glob(f".{name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
@@ -121,7 +133,6 @@ def provision(name: str) -> Path:
             json.dumps({"package": spec.package, "version": spec.version, "gguf_file": spec.gguf_file}, indent=2)
         )
     print(f"dspark: {name} ready", file=sys.stderr)
-    return final
 
 
 def resolve(name_or_path: str) -> Path:
