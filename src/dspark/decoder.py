@@ -58,7 +58,7 @@ def attention(q, keys, values, mask, scale: float, causal: bool = False, fold: b
         folded = q.reshape(batch, keys.shape[1], groups * width, dim)  # row j*W + w: head (kv, j), position w
         mask = None if mask is None else mask.expand(batch, 1, width, -1).repeat(1, 1, groups, 1)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
-        return out.view(batch, heads, width, dim)
+        return out.reshape(batch, heads, width, dim)  # the fused CUDA kernels may return another layout
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
                                           enable_gqa=groups > 1)
 
