@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU recipe (issue 15), as run on one H200 for legs 10-11 of the shipped drafter (model card): the target answers
-# new prompts on the GPU for a fixed time, then the shipped drafter is continued on every committed set plus those
-# answers, twice. Resumable: rerun the same command after any stop.
+# The GPU recipe (issue 15), as run on one H200 for legs 10-11 and 13 of the shipped drafter (model card): the target
+# answers new prompts on the GPU for a fixed time, then the shipped drafter is continued on every committed set plus
+# those answers, one leg per entry of STEPS. Resumable: rerun the same command after any stop.
 #
 #   bash recipes/gpu.sh                                    # RUN=runs/gpu
 #   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SHARDS, SEED, MIX, STEPS, TRAIN_MINUTES,
