@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import refused, tiny_drafter
 from dspark.bench.report import markdown_section, plots, write_section
@@ -262,9 +263,32 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     md = (tmp_path / "B.md").read_text()
     assert "## signal: training signal by position" in md and "| evalset | target's answers |" in md
     assert (tmp_path / "out" / "signal.png").stat().st_size > 0
+    assert all(0 < rows[s]["target_p_mean"] <= 1 and 0 <= rows[s]["target_p_below_half"] <= 1 for s in rows)
+    assert f"| {rows['evalset']['target_p_mean']:.2f} ({rows['evalset']['target_p_below_half']:.2f}) |" in md
     assert run["training"]["legs"] == 1 and run["training"]["tokens"] > 0 and run["training"]["steps"] == 20
     refused(capsys, "--holdout is a share", "bench-signal", "--model", folder, "--dtype", "float32", "--drafter",
             checkpoint, "--holdout", 1.5)
+
+
+def test_signal_reads_the_targets_confidence_in_its_own_greedy_tokens(trained_tiny_drafter):
+    """On the target's own greedy answer every next token is its argmax: the probability the signal reports at each
+    anchor must be the largest of the target's softmax there."""
+    from dspark.bench.signal import score_answer
+    from dspark.decoding.plain import generate_plain
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+    from dspark.training.data import Example
+
+    folder, _, checkpoint = trained_tiny_drafter
+    target = Target.load(str(folder), dtype="float32")
+    drafter = load_drafter(checkpoint, target).float()
+    prompt = [1, 7, 9, 3, 1]
+    answer = generate_plain(target, [prompt], 12, stop_token_ids=set())[0].token_ids
+    ids = prompt + answer
+    scored = score_answer(drafter, target, Example(ids, [0] * len(prompt) + [1] * len(answer)))
+    probs = target.forward_sequences(torch.tensor([ids])).logits[0].softmax(-1)
+    assert len(scored.target_p) > 0
+    assert torch.allclose(scored.target_p, probs[scored.anchors].max(-1).values, atol=1e-5)
 
 
 # ---- scaling: real τ of a drafter's legs against its cumulative compute ---------------------------------------------

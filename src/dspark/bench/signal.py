@@ -8,7 +8,9 @@ training optimises), and the evaluation prompts are also decoded for real. Read 
 - teacher-forced along the rounds greedy decoding takes (each anchor one past the last accepted draft) must equal
   real decoding: a difference is a train/inference mismatch (features, masks, precision), not a data problem;
 - every position vs along the rounds: an easy stretch goes in a few long rounds while each hard token costs a
-  round of its own, so decoding's rounds are dominated by the hard positions.
+  round of its own, so decoding's rounds are dominated by the hard positions;
+- the target's own probability of each next token of the text: where the target itself is unsure (near ties), its
+  greedy choice is hard to foresee from one position back, whatever the drafter.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ class LeadingRuns:
     anchors: torch.Tensor  # [A] positions p with p and p+1 in the answer
     runs: torch.Tensor  # [A] leading run of drafts equal to the text after p
     full: torch.Tensor  # [A] all γ labels after p lie inside the answer
+    target_p: torch.Tensor  # [A] the target's probability of the text's token at p+1
 
 
 @torch.no_grad()
@@ -41,12 +44,13 @@ def score_answer(drafter, target, example: Example) -> LeadingRuns:
     """One target forward and one drafter pass over the whole example, every answer position an anchor."""
     ids = torch.tensor([example.input_ids])
     mask = torch.tensor([example.loss_mask])
-    features = target.forward_sequences(ids, logits=False, features=drafter.target_layer_ids).features
-    runs = leading_runs(drafter, features, ids, mask)[0]
+    out = target.forward_sequences(ids, features=drafter.target_layer_ids)
+    runs = leading_runs(drafter, out.features, ids, mask)[0]
     anchors = anchor_candidates(mask)[0].nonzero()[:, 0]
     label_pos = anchors[:, None] + torch.arange(1, drafter.block_size + 1)
     full = (label_pos < ids.shape[1]).all(-1) & mask[0].bool()[label_pos.clamp(max=ids.shape[1] - 1)].all(-1)
-    return LeadingRuns(answer_spans(mask[0]), anchors, runs[anchors], full)
+    target_p = out.logits[0, anchors].float().softmax(-1).gather(-1, ids[0, anchors + 1, None])[:, 0]
+    return LeadingRuns(answer_spans(mask[0]), anchors, runs[anchors], full, target_p)
 
 
 def every_position(scored: list[LeadingRuns], gamma: int) -> SpecStats:
@@ -79,7 +83,7 @@ def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: di
     for name, examples in slices.items():
         scored = [score_answer(drafter, target, e) for e in examples]
         rows.append(row(name, "training data" if name == "train" else "held-out", every_position(scored, gamma),
-                        rounds=along_rounds(scored, gamma)))
+                        rounds=along_rounds(scored, gamma), target_p=torch.cat([a.target_p for a in scored])))
         progress(rows[-1])
     engine = SpeculativeEngine(target, drafter, FixedLength())
     for name, ids in prompts.items():
@@ -89,14 +93,18 @@ def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: di
             answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
             scored.append(score_answer(drafter, target, answer))
         rows.append(row(name, "target's answers", every_position(scored, gamma), rounds=along_rounds(scored, gamma),
-                        real=real))
+                        real=real, target_p=torch.cat([a.target_p for a in scored])))
         progress(rows[-1])
     return rows
 
 
-def row(name: str, kind: str, tf: SpecStats, rounds: SpecStats | None = None, real: SpecStats | None = None) -> dict:
+def row(name: str, kind: str, tf: SpecStats, rounds: SpecStats | None = None, real: SpecStats | None = None,
+        target_p: torch.Tensor | None = None) -> dict:
     out = {"slice": name, "text": kind, "anchors": tf.rounds, "tf_tau": round(tf.tau, 4),
            "tf_accept_by_position": [None if p is None else round(p, 4) for p in tf.accept_by_position()]}
+    if target_p is not None:
+        out["target_p_mean"] = round(target_p.mean().item(), 4)
+        out["target_p_below_half"] = round((target_p < 0.5).float().mean().item(), 4)
     for key, stats in (("rounds", rounds), ("real", real)):
         if stats is not None:
             out[f"{key}_tau"] = round(stats.tau, 4)
@@ -116,15 +124,19 @@ def signal_section(run: dict, command: str, plot: str, name: str = "signal") -> 
               "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits (on text "
               "the target wrote greedily, what decoding its prompt accepts); "
               "*real*: decoded by the engine. In float32, along rounds must equal real (else training and inference "
-              "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits.")
+              "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits. "
+              "*Target p*: the target's mean probability of the text's next token, and the share of positions where "
+              "it is below 0.5 (near ties the target itself is unsure of).")
     header = ("| slice | text | anchors | teacher-forced τ | accept pos 1 / 2 / 3 (teacher-forced) | along rounds τ "
-              "| real τ | real accept pos 1 |")
+              "| real τ | real accept pos 1 | target p (share < 0.5) |")
     out = [f"## {name}: training signal by position", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```",
-           "", machine, "", legend, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "", machine, "", legend, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in run["rows"]:
         acc = " / ".join(cell(p) for p in r["tf_accept_by_position"][:3])
+        confidence = "–" if "target_p_mean" not in r else f"{r['target_p_mean']:.2f} ({r['target_p_below_half']:.2f})"
         out.append(f"| {r['slice']} | {r['text']} | {r['anchors']} | {r['tf_tau']:.2f} | {acc} | "
-                   f"{cell(r.get('rounds_tau'))} | {cell(r.get('real_tau'))} | {cell(r.get('real_accept_1'))} |")
+                   f"{cell(r.get('rounds_tau'))} | {cell(r.get('real_tau'))} | {cell(r.get('real_accept_1'))} | "
+                   f"{confidence} |")
     out += ["", f"![acceptance by position]({plot})", ""]
     return "\n".join(out)
 
