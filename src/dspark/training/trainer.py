@@ -712,8 +712,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     last = {}
     fit_from = loop["step"]  # --max-minutes counts this invocation's steps: not loading, evaluations, checkpoints
     asked_steps = total  # a refit may lengthen the schedule again, never beyond this
-    step_seconds = first_step = 0.0
-    fitted_at = None  # (steps, seconds) of this invocation at the last fit
+    step_seconds = 0.0
+    fitted_at = None  # (steps, step seconds) of this invocation when the step time was last measured from
     while loop["step"] < total:
         step_started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -749,12 +749,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         optimizer.step()
         loop["step"] += 1
         step_seconds += time.perf_counter() - step_started
-        first_step = first_step or step_seconds  # the first step also warms up (allocations, kernels): not timed
         done_here = loop["step"] - fit_from
+        fitted_at = fitted_at or (done_here, step_seconds)  # the first step also warms up (allocations, kernels): not timed
         refit = done_here % FIT_AFTER_STEPS == 0 and (done_here // FIT_AFTER_STEPS).bit_count() == 1  # 10, 20, 40 ...
         if cfg.max_minutes and refit:
-            since_steps, since_seconds = fitted_at or (1, first_step)
-            per_step = (step_seconds - since_seconds) / (done_here - since_steps)
+            per_step = (step_seconds - fitted_at[1]) / (done_here - fitted_at[0])
             fitted_at = (done_here, step_seconds)
             total = fit_to_minutes(asked_steps, loop["step"], per_step, cfg.max_minutes * 60 - step_seconds, device)
             cfg = replace(cfg, max_steps=total)  # saved with the checkpoints, so a plain --resume keeps the schedule
