@@ -5,7 +5,7 @@
 #
 #   bash recipes/gpu.sh                                    # RUN=runs/gpu
 #   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SHARDS, SEED, MIX, STEPS, TRAIN_MINUTES,
-#                                                          #        BATCH, LR, INIT, RUN, PY
+#                                                          #        BATCH, LR, INIT, ADD_LAYERS, RUN, PY
 #   TRAIN_MINUTES=4 STEPS=100000 bash recipes/gpu.sh       # one leg that fits 4 minutes of steps (a fixed lease)
 #   SHARDS=4 REGEN_MINUTES=4 STEPS=0 bash recipes/gpu.sh   # answer only, four processes sharing the GPU
 #
@@ -27,7 +27,7 @@ dspark() { "$PY" -m dspark.cli "$@"; }
 #    on every SHARDS-th prompt; after REGEN_MINUTES no conversation starts, and a rerun continues.
 SHARDS=${SHARDS:-1}
 if [ "${REGEN_MINUTES:-3}" != 0 ]; then
-  [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 24000 --seed "${SEED:-15}" \
+  [ -f "$RUN/prompts.jsonl" ] || dspark prompts --out "$RUN/prompts.jsonl" --count 40000 --seed "${SEED:-16}" \
     --mix "${MIX:-assist=0.5,code=0.15,library=0.2,math=0.15}" --exclude data/*regen*.jsonl.gz data/calibration-prompts.jsonl
   pids=()
   for ((i = 0; i < SHARDS; i++)); do
@@ -58,6 +58,7 @@ for STEPS_OF_LEG in ${STEPS:-500 700}; do
     dspark train --data "$DATA" --out "$OUTDIR" --init-from "$PREV" --device auto --ce-weight 1.0 --tv-weight 0.0 \
       --target-topk 32 --warmup-ratio 0.05 --num-anchors 64 --batch-size "${BATCH:-64}" --lr "${LR:-3e-4}" \
       --copied-lr-scale 0.1 --max-steps "$STEPS_OF_LEG" --max-minutes "${TRAIN_MINUTES:-0}" \
+      --add-draft-layers "$([ $LEG = 1 ] && echo "${ADD_LAYERS:-0}" || echo 0)" \
       --eval-every "$STEPS_OF_LEG" --save-every 50 --quiet
   fi
   dspark export "$OUTDIR/checkpoint" "$OUTDIR-export" --dtype bfloat16 --overwrite

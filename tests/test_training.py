@@ -442,6 +442,50 @@ def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tin
     assert sorted({g["lr_scale"] for g in state["param_groups"]}) == [0.0, 1.0]
 
 
+def test_add_draft_layers_deepens_a_trained_drafter_from_exactly_where_it_was(tiny_run, tmp_path):
+    """--add-draft-layers appends layers that start as identities: the deepened drafter proposes what it proposed
+    before; then the new layers learn at the full rate while the copied ones keep --copied-lr-scale, also when
+    resumed."""
+    from dspark.drafter import load_drafter
+    from dspark.sampling import SamplingParams
+    from dspark.target import Target
+    from dspark.training.trainer import resumed_config, train
+
+    folder, data = tiny_run
+    target = Target.load(str(folder), dtype="float32")
+    train(tiny_config(folder, data, tmp_path / "a", max_steps=3), progress=False)
+    shallow = load_drafter(tmp_path / "a" / "checkpoint", target)
+    deep = load_drafter(tmp_path / "a" / "checkpoint", target)
+    deep.add_layers(2, target.model)
+    assert len(deep.layers) == 3 and deep.config.num_draft_layers == 3
+    top = target.model.get_decoder().layers[-1].state_dict()  # the new last layer starts as the target's top layer
+    assert torch.equal(deep.layers[2].self_attn.q_proj.weight, top["self_attn.q_proj.weight"])
+    features = torch.randn(2, 9, shallow.fc.in_features)
+    params = SamplingParams(temperature=1.0, seed=0)
+    proposals = []
+    for drafter in (shallow, deep):
+        cache = drafter.new_cache(2)
+        drafter.extend_context(cache, features, torch.tensor([9, 6]))
+        proposals.append(drafter.propose(cache, torch.tensor([3, 4]), params, params.generators(2)))
+    assert torch.equal(proposals[0].tokens, proposals[1].tokens)
+    torch.testing.assert_close(proposals[0].probs, proposals[1].probs)
+    torch.testing.assert_close(proposals[0].confidence_logits, proposals[1].confidence_logits)
+
+    run = tmp_path / "deep"
+    cfg = tiny_config(folder, data, run, init_from=str(tmp_path / "a" / "checkpoint"), add_draft_layers=1,
+                      copied_lr_scale=0.0, max_steps=3, save_every=2)
+    train(cfg, progress=False)
+    train(resumed_config(run, {"max_steps": 4}), resume=True, progress=False)
+    trained = load_drafter(run / "checkpoint", target)
+    assert len(trained.layers) == 2
+    old = shallow.layers[0].state_dict()
+    assert all(torch.equal(v, old[k]) for k, v in trained.layers[0].state_dict().items())  # scale 0: kept
+    assert trained.layers[1].self_attn.o_proj.weight.abs().sum() > 0  # started at zero, learned
+    assert trained.layers[1].mlp.down_proj.weight.abs().sum() > 0
+    with pytest.raises(DSparkError, match="--init-from"):
+        tiny_config(folder, data, tmp_path / "x", add_draft_layers=1)
+
+
 def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exports(tiny_run, tmp_path, capsys):
     """Run folders do not outlive a machine, but a drafter continued with --init-from carries every earlier leg in
     its config, so its total training compute is known wherever it is measured."""

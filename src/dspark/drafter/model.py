@@ -110,8 +110,14 @@ class DSparkDrafter(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        self._init_weights(self)
+        if self.markov_head is not None:
+            # The sequential bias starts at zero: training begins from the pure parallel drafter.
+            nn.init.zeros_(self.markov_head.markov_w2.weight)
+
+    def _init_weights(self, root: nn.Module) -> None:
         std = getattr(self.target_config, "initializer_range", 0.02)
-        for module in self.modules():
+        for module in root.modules():
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
@@ -120,26 +126,49 @@ class DSparkDrafter(nn.Module):
                 nn.init.normal_(module.weight, std=std)
             elif hasattr(module, "weight") and module.__class__.__name__.endswith("RMSNorm"):
                 nn.init.ones_(module.weight)
-        if self.markov_head is not None:
-            # The sequential bias starts at zero: training begins from the pure parallel drafter.
-            nn.init.zeros_(self.markov_head.markov_w2.weight)
 
     def init_from_target_layers(self, target_model) -> list[int]:
         """Copy the target's top decoder layers (and final norm) into the backbone. Returns the layers used."""
         source = target_model.get_decoder().layers
         first = len(source) - len(self.layers)
-        gemma = self.target_config.model_type in GEMMA_FAMILIES
         for layer, src in zip(self.layers, source[first:]):
-            state = gemma_as_qwen3(src.state_dict()) if gemma else src.state_dict()
-            # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
-            # its output-projection bias at zero; nothing else may be left out.
-            missing, unexpected = layer.load_state_dict(state, strict=False)
-            if unexpected or not only_portable_extras(missing):
-                raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
-                                  f"{unexpected}); train with --no-init-target-layers")
+            self._copy_target_layer(layer, src)
         final = target_model.get_decoder().norm.state_dict()
+        gemma = self.target_config.model_type in GEMMA_FAMILIES
         self.norm.load_state_dict(gemma_as_qwen3(final) if gemma else final)
         return list(range(first, len(source)))
+
+    def _copy_target_layer(self, layer: nn.Module, src: nn.Module) -> None:
+        state = gemma_as_qwen3(src.state_dict()) if self.target_config.model_type in GEMMA_FAMILIES else src.state_dict()
+        # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
+        # its output-projection bias at zero; nothing else may be left out.
+        missing, unexpected = layer.load_state_dict(state, strict=False)
+        if unexpected or not only_portable_extras(missing):
+            raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
+                              f"{unexpected}); train with --no-init-target-layers")
+
+    def add_layers(self, count: int, target_model=None) -> None:
+        """Deepen a trained drafter: append `count` decoder layers after its last. Each starts as an identity (its
+        attention output and MLP down projections at zero), so the drafter proposes exactly as before and training
+        grows the new capacity from there; with target_model, their other weights start as the target's top layers
+        would in a backbone of the new depth."""
+        if self.config.architecture != "dspark":
+            raise DSparkError(f"only DSpark drafters can be deepened; this one is {self.config.architecture}")
+        layer_config, (layer_cls, _, _) = backbone_layout(self.target_config, self.config.backbone)
+        depth = len(self.layers) + count
+        source = target_model.get_decoder().layers if target_model is not None else None
+        for i in range(len(self.layers), depth):
+            layer = layer_cls(layer_config, i).to(self.fc.weight)
+            self._init_weights(layer)
+            if source is not None:
+                self._copy_target_layer(layer, source[len(source) - depth + i])
+            with torch.no_grad():
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight.zero_()
+                    if proj.bias is not None:
+                        proj.bias.zero_()
+            self.layers.append(layer)
+        self.config.num_draft_layers = depth
 
     # ---- shared pieces --------------------------------------------------------------------------------------
     @property

@@ -85,6 +85,9 @@ class TrainConfig:
     markov_init: str = opt("zero", "start of the Markov head: zero (the pure parallel drafter) or bigram (a low-rank "
                                    "factorisation of the data's bigram log-probabilities)", choices=("zero", "bigram"))
     init_from: str | None = opt(None, "continue training an existing drafter checkpoint")
+    add_draft_layers: int = opt(0, "with --init-from, deepen the continued drafter by N decoder layers after its last "
+                                   "(each an identity at the start, so it proposes as before; trained at the full "
+                                   "learning rate)")
     # loss (docs/design.md §3); None = the preset's value
     ce_weight: float | None = opt(None, "weight of the cross-entropy term")
     tv_weight: float | None = opt(None, "weight of the L1 (2·TV) term against the target distribution")
@@ -140,7 +143,7 @@ class TrainConfig:
         for name in ("decode_eval_prompts", "decode_eval_tokens"):
             if getattr(self, name) <= 0:
                 raise DSparkError(f"--{flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every"):
+        for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every", "add_draft_layers"):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
         for name in ("lr", "epochs", "max_minutes", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight",
@@ -156,6 +159,9 @@ class TrainConfig:
             raise DSparkError(f"--rollout-anchors is a share of the anchors: between 0 and 1, got {self.rollout_anchors}")
         if self.warmup_ratio >= 1 or self.holdout >= 1:
             raise DSparkError("--warmup-ratio and --holdout are shares: each must be below 1")
+        if self.add_draft_layers and not self.init_from:
+            raise DSparkError("--add-draft-layers deepens a trained drafter: give it with --init-from; a new drafter "
+                              "takes its depth from --num-draft-layers")
         if self.max_steps <= 0 and self.epochs <= 0:
             raise DSparkError("train for something: --epochs > 0 or --max-steps > 0")
 
@@ -572,10 +578,13 @@ def device_name(device: torch.device) -> str:
 
 def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     """AdamW groups. Weight decay pulls matrices toward zero; norms (toward zero = off) and biases get none. With
-    --copied-lr-scale, the layers copied from the target (already good features) move at a scaled rate."""
+    --copied-lr-scale, the layers copied from the target (already good features) move at a scaled rate; layers added
+    by --add-draft-layers start as identities and learn at the full rate."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    copied_layers = [f"layers.{i}." for i in range(len(drafter.layers) - cfg.add_draft_layers)]
+
     def copied(name):  # one group for all when the scale is 1, as checkpoints from before the flag have
-        return cfg.copied_lr_scale != 1.0 and name.startswith(("layers.", "norm."))
+        return cfg.copied_lr_scale != 1.0 and name.startswith(("norm.", *copied_layers))
 
     groups = []
     for scale, members in ((1.0, [(n, p) for n, p in named if not copied(n)]),
@@ -641,6 +650,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             if rank == 0:
                 print(f"dspark: {cfg.init_from} has the target-family backbone; continuing it on the portable qwen3 "
                       "backbone (q/k norms start at one; --backbone family keeps the family layers)")
+        if cfg.add_draft_layers:
+            drafter.add_layers(cfg.add_draft_layers, target.model if cfg.init_target_layers else None)
+            if rank == 0:
+                print(f"dspark: {cfg.init_from} deepened to {len(drafter.layers)} draft layers (the new ones start as "
+                      "identities)")
         if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.draft_vocab_size:
             before, after = widen_draft_vocabulary(drafter, train_set, cfg.draft_vocab_size, target.vocab_size)
             if rank == 0:
