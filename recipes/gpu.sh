@@ -47,6 +47,8 @@ mv "$DATA.tmp" "$DATA"
 
 # 2. Continue the drafter, one leg per entry of STEPS, each from the export of the one before (the lineage records
 #    every leg); the flags of the CPU legs 8-9 with 4x the sequences per step and twice the learning rate.
+#    ADD_LAYERS=N deepens the first leg's drafter by N layers that start as identities (--add-draft-layers); on
+#    CPU budgets (1.5-1.7M tokens) 3 and 4 layers ended level with 2 (model card), so it is off by default.
 PREV=${INIT:-src/dspark/data/drafters/smollm2-135m-instruct}
 LEG=0
 for STEPS_OF_LEG in ${STEPS:-500 700}; do
