@@ -9,6 +9,7 @@ continue exactly: weights, optimizer moments, schedule position, random state an
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import math
 import os
@@ -238,6 +239,16 @@ def all_sum(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x)
     return x
+
+
+def return_freed_memory() -> None:
+    """Give the memory the C allocator holds free back to the system. glibc keeps the freed blocks of each step's
+    variably shaped tensors: a CPU run grew ~40 MB a step and was killed for memory at 12 GB. Trimming every ten
+    steps cost no measurable time and held it at 4.1 GB where it had reached 6.0 GB by step 76. A no-op where the C
+    library has no malloc_trim (not glibc)."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def barrier() -> None:
@@ -762,6 +773,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             group["lr"] = lr * group.get("lr_scale", 1.0)
         optimizer.step()
         loop["step"] += 1
+        if loop["step"] % 10 == 0:
+            return_freed_memory()
         step_seconds += time.perf_counter() - step_started
         done_here = loop["step"] - fit_from
         fitted_at = fitted_at or (done_here, step_seconds)  # the first step also warms up (allocations, kernels): not timed
