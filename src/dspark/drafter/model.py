@@ -133,13 +133,16 @@ class DSparkDrafter(nn.Module):
         first = len(source) - len(self.layers)
         for layer, src in zip(self.layers, source[first:]):
             self._copy_target_layer(layer, src)
-        final = target_model.get_decoder().norm.state_dict()
-        gemma = self.target_config.model_type in GEMMA_FAMILIES
-        self.norm.load_state_dict(gemma_as_qwen3(final) if gemma else final)
+        self.norm.load_state_dict(self._target_state(target_model.get_decoder().norm))
         return list(range(first, len(source)))
 
+    def _target_state(self, module: nn.Module) -> dict:
+        """A target module's weights as this backbone names and scales them."""
+        state = module.state_dict()
+        return gemma_as_qwen3(state) if self.target_config.model_type in GEMMA_FAMILIES else state
+
     def _copy_target_layer(self, layer: nn.Module, src: nn.Module) -> None:
-        state = gemma_as_qwen3(src.state_dict()) if self.target_config.model_type in GEMMA_FAMILIES else src.state_dict()
+        state = self._target_state(src)
         # A Qwen3-style backbone over another family keeps its q/k norms at their start (ones) and, over Qwen2,
         # its output-projection bias at zero; nothing else may be left out.
         missing, unexpected = layer.load_state_dict(state, strict=False)

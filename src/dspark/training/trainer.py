@@ -593,7 +593,6 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     by --add-draft-layers start as identities and learn at the full rate."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     copied_layers = [f"layers.{i}." for i in range(len(drafter.layers) - cfg.add_draft_layers)]
-
     def copied(name):  # one group for all when the scale is 1, as checkpoints from before the flag have
         return cfg.copied_lr_scale != 1.0 and name.startswith(("norm.", *copied_layers))
 
