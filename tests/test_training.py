@@ -785,7 +785,7 @@ def test_torchrun_two_processes_equal_one_process_with_accumulation(tiny_run, tm
     b = load_file(str(tmp_path / "single" / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert state["loop"]["tokens"] == json.loads((tmp_path / "single" / "checkpoint" / "trainer_state.json")
                                                  .read_text())["loop"]["tokens"]
 

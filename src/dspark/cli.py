@@ -10,7 +10,7 @@ from pathlib import Path
 
 from dspark.errors import DSparkError
 from dspark.formats import EXPORT_FORMATS
-from dspark.fsutil import check_output_dir, check_output_file
+from dspark.fsutil import check_input_file, check_output_dir, check_output_file
 
 
 # ---- shared argument groups ------------------------------------------------------------------------------------
@@ -195,13 +195,21 @@ def check_policy_args(args) -> None:
         raise DSparkError("--cost-table schedules verification; it cannot be combined with --verify-length or "
                           "--confidence-threshold")
     check_given_files(args, ("cost_table", "calibration"))
+    if args.calibration:
+        from dspark.scheduling.calibration import read_temperatures
+
+        read_temperatures(args.calibration)
+    if args.cost_table:
+        from dspark.scheduling.profile import CostTable
+
+        CostTable.load(args.cost_table)
 
 
 def check_given_files(args, names) -> None:
     """Each of these optional file arguments, when given, names an existing file."""
     for name in names:
-        if getattr(args, name) and not Path(getattr(args, name)).is_file():
-            raise DSparkError(f"--{name.replace('_', '-')} {getattr(args, name)} does not exist")
+        if getattr(args, name):
+            check_input_file(getattr(args, name), f"--{name.replace('_', '-')}")
 
 
 class TextStream:
@@ -248,14 +256,16 @@ def check_drafter_arg(path) -> None:
 def cmd_generate(args) -> int:
     from dspark.decoding.plain import generate_plain
 
-    if not args.prompt.strip():
+    from dspark.target import check_text
+
+    if not check_text(args.prompt).strip():
         raise DSparkError("the prompt is empty; give the model something to answer")
     if args.compare_plain and not args.drafter:
         raise DSparkError("--compare-plain compares speculative decoding with plain decoding; add --drafter PATH")
     check_policy_args(args)
+    sampling = sampling_from(args)
     target = load_target(args)
     prompt = target.encode_chat(args.prompt)
-    sampling = sampling_from(args)
     stream = None if args.json else TextStream(target.tokenizer)
 
     engine = None
@@ -286,6 +296,8 @@ def cmd_generate(args) -> int:
             plain_tokens_per_s=round(plain.tokens_per_s, 3),
             speedup=round(result.tokens_per_s / plain.tokens_per_s, 3) if plain.tokens_per_s else None,
             identical_to_plain=plain.token_ids == result.token_ids,
+            first_difference=None if plain.token_ids == result.token_ids
+            else common_prefix(plain.token_ids, result.token_ids),
         )
     if args.json:
         print(json.dumps(report, ensure_ascii=False))
@@ -296,9 +308,26 @@ def cmd_generate(args) -> int:
         line += f", τ={report['tau']:.2f} over {report['rounds']} rounds"
     if "speedup" in report:
         line += f"; plain {report['plain_tokens_per_s']:.1f} tokens/s, speed-up {report['speedup']:.2f}x, "
-        line += "identical output" if report["identical_to_plain"] else "OUTPUT DIFFERS from plain decoding"
+        line += "identical output" if report["identical_to_plain"] else (
+            f"OUTPUT DIFFERS from plain decoding from token {report['first_difference'] + 1} on"
+            f"{why_outputs_differ(args.dtype, sampling)}")
     print(line + "]", file=sys.stderr)
     return 0
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def why_outputs_differ(dtype: str, sampling=None) -> str:
+    """Why speculative and plain output can part, for the message that says they did."""
+    if sampling is not None and not sampling.greedy:
+        return (" (sampling: the two runs draw different random numbers; they agree in distribution, not token by "
+                "token; pass --seed and --temperature 0 to compare tokens)")
+    if dtype == "float32":
+        return " (float32 output should be identical: please report this with the command)"
+    return (f" ({dtype}: at a near-tie two tokens' logits differ by less than {dtype} rounding, and a forward of one "
+            "token and a forward of many round differently; --dtype float32 gives identical output)")
 
 
 def cmd_demo(args) -> int:
@@ -323,8 +352,7 @@ def cmd_demo(args) -> int:
     print(f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
           f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n")
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)
-    why = "" if args.dtype == "float32" else (f" ({args.dtype}: a near-tie argmax flipped between forwards of one and "
-                                              "of many tokens)")
+    why = why_outputs_differ(args.dtype)
     for r in rows:
         same = "IDENTICAL" if r.identical else f"DIFFER from token {r.same_prefix + 1} on{why}"
         print(f"=== {r.dataset}: {textwrap.shorten(r.prompt, 100)}")
@@ -547,53 +575,19 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
-# Files that travel with a drafter's weights: its calibration (the scheduler's temperatures) and its model card.
-DRAFTER_COMPANIONS = ("calibration.json", "MODEL_CARD.md")
-
-
-def check_new_folder(out: Path, overwrite: bool, source: Path | None = None) -> None:
-    """An output folder that is new, empty, or explicitly replaced; never a file or the input itself."""
-    if out.exists() and not out.is_dir():
-        raise DSparkError(f"{out} is a file; this command writes a folder. Choose another output path")
-    if source is not None and out.exists() and out.resolve() == source.resolve():
-        raise DSparkError(f"{out} is the input folder; write to another folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to replace it")
-    check_output_dir(out, "output folder")
-
-
 def cmd_export(args) -> int:
-    import shutil
-
     from dspark.drafter import load_drafter, read_checkpoint_meta
-    from dspark.fsutil import atomic_dir
+    from dspark.formats import export_drafter
+    from dspark.fsutil import check_replaceable
     from dspark.target import parse_dtype
 
     source, out = Path(args.checkpoint), Path(args.out)
     meta = read_checkpoint_meta(source)
-    check_new_folder(out, args.overwrite, source)
+    check_replaceable(out, args.overwrite, source)
     target = load_target(args)
     drafter = load_drafter(source, target)
-    dtype = parse_dtype(args.dtype)
-    target_gguf = None
-    if args.format == "gguf":
-        target_gguf = gguf_arg(args.target_gguf, args.model)
-    with atomic_dir(out) as tmp:
-        if args.format == "dspark":
-            extra = {k: v for k, v in meta.items() if k in ("training", "progress", "lineage")}
-            drafter.save(tmp / "drafter", target.identity(), extra=extra, dtype=dtype)
-            for name in ("config.json", "model.safetensors"):
-                (tmp / "drafter" / name).rename(tmp / name)
-            (tmp / "drafter").rmdir()
-        else:
-            from dspark.formats import export_foreign
-
-            export_foreign(drafter, target, tmp, args.format, dtype, target_gguf)
-        # The scheduler's calibration means something only to dspark; the model card travels everywhere.
-        companions = DRAFTER_COMPANIONS if args.format == "dspark" else ("MODEL_CARD.md",)
-        carried = [name for name in companions if (source / name).is_file()]
-        for name in carried:
-            shutil.copy2(source / name, tmp / name)
+    target_gguf = gguf_arg(args.target_gguf, args.model) if args.format == "gguf" else None
+    carried = export_drafter(source, out, args.format, drafter, target, parse_dtype(args.dtype), meta, target_gguf)
     note = f", with {', '.join(carried)}" if carried else ""
     if args.format == "dspark" and "calibration.json" not in carried:
         note += ", no calibration.json to carry (run `dspark calibrate`)"
@@ -606,16 +600,14 @@ def cmd_export(args) -> int:
 
 
 def cmd_import(args) -> int:
-    from dspark.formats import detect, import_foreign
+    from dspark.formats import import_drafter
+    from dspark.fsutil import check_replaceable
 
     source, out = Path(args.source), Path(args.out)
     if not source.is_dir():
         raise DSparkError(f"{source} is not a folder; `dspark import` reads a speculators or DeepSpec drafter folder")
-    check_new_folder(out, args.overwrite, source)
-    fmt = detect(source)
-    target = load_target(args)
-    drafter = import_foreign(source, target)
-    drafter.save(out, target.identity(), extra={"imported_from": {"format": fmt, "path": str(source)}})
+    check_replaceable(out, args.overwrite, source)
+    fmt = import_drafter(source, out, load_target(args))
     print(f"dspark: imported the {fmt} drafter {source} into {out} (run `dspark calibrate` before scheduling with it)",
           file=sys.stderr)
     return 0
@@ -792,8 +784,7 @@ def cmd_train(args) -> int:
         if not args.data:
             raise DSparkError("--data is required (regenerated JSONL from `dspark regenerate`)")
         cfg = TrainConfig(**given)
-        if not Path(cfg.data).is_file():
-            raise DSparkError(f"--data {cfg.data} does not exist")
+        check_input_file(cfg.data, "--data")
         if (Path(cfg.out) / "checkpoint").exists():
             raise DSparkError(f"{cfg.out} already holds a run; continue it with --resume, or choose a new --out")
     if cfg.init_from:
@@ -808,17 +799,16 @@ def cmd_train(args) -> int:
 def cmd_serve(args) -> int:
     import os
 
-    import uvicorn
-
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.drafter import load_proposer
     from dspark.serve.app import ServeConfig, create_app
+    from dspark.serve.local import DrainingServer, server_config
 
     check_policy_args(args)
     config = ServeConfig(model_name=args.served_model_name or args.model,
                          api_key=args.api_key or os.environ.get("DSPARK_API_KEY") or None, max_batch=args.max_batch,
                          max_concurrent=args.max_concurrent, max_tokens_limit=args.max_tokens_limit,
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes, drain_seconds=args.drain_seconds)
     target = load_target(args)
     drafter = load_proposer(args.drafter, target) if args.drafter else None
     engine = SpeculativeEngine(target, drafter, build_policy(args, target, args.drafter) if drafter else None)
@@ -827,7 +817,8 @@ def cmd_serve(args) -> int:
               f"{'' if config.api_key else ' WITHOUT an API key (--api-key or DSPARK_API_KEY)'}", file=sys.stderr)
     print(f"dspark: serving '{config.model_name}' ({'speculative, ' + engine.policy.describe() if drafter else 'plain'}"
           f" decoding) on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(create_app(engine, target.tokenizer, config), host=args.host, port=args.port, log_level="warning")
+    app = create_app(engine, target.tokenizer, config)
+    DrainingServer(server_config(app, args.host, args.port, config.drain_seconds)).run()
     return 0
 
 
@@ -884,6 +875,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests admitted or waiting; more are answered 429")
     p.add_argument("--max-tokens-limit", type=positive_int, default=2048, help="largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (413 above)")
+    p.add_argument("--drain-seconds", type=finite_float, default=10.0,
+                   help="on SIGINT/SIGTERM, requests in flight get this long to finish before they are ended")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="plain vs DSpark side by side with the shipped drafter")
@@ -997,14 +990,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "--spec-type draft-dspark); see docs/formats.md")
     p.add_argument("--target-gguf", help="--format gguf: the target's GGUF, whose vocabulary the draft copies "
                                          "(default: the file a known target's package carries)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier output of this command (never a folder holding other files)")
     add_target_args(p, auto_dtype=False)
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("import", help="convert a speculators or DeepSpec DSpark drafter into a dspark checkpoint")
     p.add_argument("source", help="the drafter folder (config.json + safetensors)")
     p.add_argument("out", help="a new folder for the dspark checkpoint")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing, non-empty output folder")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier output of this command (never a folder holding other files)")
     add_target_args(p, auto_dtype=False)
     p.set_defaults(func=cmd_import)
 

@@ -68,32 +68,99 @@ def _old_copies(path: Path) -> list[Path]:
     return sorted(path.parent.glob(f".{path.name}.old-*"), key=lambda p: p.stat().st_mtime)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dead_writers_tmp(path: Path) -> list[Path]:
+    """Temporary folders of `atomic_dir(path)` whose writer was killed (its pid, in the name, is gone)."""
+    stale = []
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        pid = tmp.name[len(f".{path.name}.tmp-"):].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            stale.append(tmp)
+    return stale
+
+
 def recover_dir(path: str | Path) -> None:
-    """Undo a replacement that was killed half-way (old folder moved aside, new one not yet in): put the old back."""
+    """Undo a replacement that was killed half-way (old folder moved aside, new one not yet in): put the old back.
+    Also remove the half-written temporary folders that killed writers left beside `path`."""
     path = Path(path)
-    olds = _old_copies(path) if path.parent.is_dir() else []
+    if not path.parent.is_dir():
+        return
+    olds = _old_copies(path)
     if not path.exists() and olds:
         os.replace(olds.pop(), path)
-    for stale in olds:
+    for stale in olds + _dead_writers_tmp(path):
         shutil.rmtree(stale, ignore_errors=True)
 
 
+OUTPUT_MANIFEST = ".dspark-output.json"
+
+
+def check_replaceable(out: str | Path, overwrite: bool, source: str | Path | None = None) -> Path:
+    """An output folder that is new, empty, or (with `overwrite`) an earlier output of ours, holding only the files
+    its manifest lists; never a file, the input itself, a folder containing the input, or a folder inside it."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise DSparkError(f"{out} is a file; this command writes a folder. Choose another output path")
+    if source is not None:
+        src, dst = Path(source).resolve(), out.resolve()
+        if dst == src:
+            raise DSparkError(f"{out} is the input folder; write to another folder")
+        if src.is_relative_to(dst):
+            raise DSparkError(f"{out} contains the input {source}; write to a folder outside it")
+        if dst.is_relative_to(src):
+            raise DSparkError(f"{out} is inside the input folder {source}; write to a folder outside it")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to "
+                              "replace an earlier output of this command")
+        foreign = _files_not_ours(out)
+        if foreign:
+            raise DSparkError(f"{out} holds files dspark did not write there ({foreign[0]}"
+                              f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); --overwrite only "
+                              "replaces an earlier output. Choose a new folder")
+    return check_output_dir(out, "output folder")
+
+
+def _files_not_ours(folder: Path) -> list[str]:
+    try:
+        listed = set(json.loads((folder / OUTPUT_MANIFEST).read_text(encoding="utf-8"))["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
+    return [name for name in present if name != OUTPUT_MANIFEST and name not in listed]
+
+
 @contextmanager
-def atomic_dir(path: str | Path):
+def atomic_dir(path: str | Path, manifest: bool = False):
     """Yield a temporary folder beside `path`; on success it replaces `path`. At every instant `path` holds either
     the old folder or the new one: the two are exchanged in one step where the system allows, else the old one is
-    moved aside first and `recover_dir` (run by every later writer and reader) puts it back after a kill."""
+    moved aside first and `recover_dir` (run by every later writer and reader) puts it back after a kill.
+
+    manifest: list the files written in the folder's OUTPUT_MANIFEST, so that a later --overwrite can tell an
+    earlier output of ours from a folder holding anything else (`check_replaceable`)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise DSparkError(f"{path} is a file, not a folder; choose another output path")
     path.parent.mkdir(parents=True, exist_ok=True)
     recover_dir(path)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-{os.getpid()}-", dir=path.parent))
     try:
         yield tmp
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if manifest:
+        written = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if not p.is_dir())
+        (tmp / OUTPUT_MANIFEST).write_text(json.dumps({"written_by": "dspark", "files": written}, indent=2) + "\n")
     _public(tmp)
     if path.exists() and _exchange(tmp, path):
         shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old folder
@@ -107,13 +174,36 @@ def atomic_dir(path: str | Path):
         shutil.rmtree(old, ignore_errors=True)
 
 
+def check_input_file(path: str | Path, what: str) -> Path:
+    """An input that must be a readable file: missing and folder are told apart."""
+    path = Path(path)
+    if path.is_dir():
+        raise DSparkError(f"{what} {path} is a folder; give the path of a file")
+    if not path.is_file():
+        raise DSparkError(f"{what} {path} does not exist")
+    return path
+
+
+def read_json(path: str | Path, what: str, fix: str):
+    """A JSON file's content; anything unreadable (missing, a folder, not UTF-8, not JSON) is one line naming the
+    file, the problem and `fix`."""
+    path = check_input_file(path, what)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise DSparkError(f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#x} at offset {e.start}); "
+                          f"{fix}") from e
+    except json.JSONDecodeError as e:
+        raise DSparkError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from e
+    except OSError as e:
+        raise DSparkError(f"{what} {path} cannot be read ({e.strerror}); {fix}") from e
+
+
 def jsonl_lines(path: str | Path) -> list[tuple[int, str]]:
     """(line number, text) of every non-blank line of a JSONL file (gzipped when it ends in .gz).
 
     Records are split on '\\n' only: str.splitlines() also splits on U+2028 and friends, which JSON strings may hold."""
-    path = Path(path)
-    if not path.is_file():
-        raise DSparkError(f"{path} does not exist or is not a file")
+    path = check_input_file(path, "data file")
     gz = path.suffix == ".gz"
     try:
         raw = gzip.decompress(path.read_bytes()) if gz else path.read_bytes()

@@ -2,7 +2,7 @@
 
 The engine (decoding/) drives any object of this shape; the drafters (drafter/) implement it without knowing the
 loop. A proposer keeps its own per-request context in a cache it creates, which the engine keeps in step with the
-batch (rows leave with `select`)."""
+batch (rows leave with `select`, batches join with `merge`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,11 @@ class Proposal:
 
 
 class ProposerCache(Protocol):
-    def select(self, rows: torch.Tensor) -> None: ...
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order."""
+
+    def merge(self, other) -> None:
+        """Append the rows of another cache of the same proposer."""
 
 
 class Proposer(Protocol):

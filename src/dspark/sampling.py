@@ -13,6 +13,9 @@ import torch
 from dspark.errors import DSparkError
 
 
+MAX_SEED = (1 << 63) - 1  # request i of a batch seeds its generator with seed + i; torch takes up to 2**64 - 1
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -27,6 +30,8 @@ class SamplingParams:
             raise DSparkError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise DSparkError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise DSparkError(f"seed must be between 0 and {MAX_SEED}, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

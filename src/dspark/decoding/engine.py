@@ -12,15 +12,16 @@ requests into a `Batch` (their prefill), `step` it, `cancel` rows. Without a dra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dspark.decoding.policy import FixedLength
-from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
+from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts, token_logprobs
 from dspark.decoding.stats import SpecStats
 from dspark.decoding.verify import verify_greedy, verify_sampling
-from dspark.proposer import Proposer
+from dspark.kvcache import KVCache
+from dspark.proposer import Proposer, ProposerCache
 from dspark.sampling import SamplingParams, all_greedy, next_token
 
 
@@ -41,10 +42,10 @@ class Row:
 class Batch:
     """The rows decoding together, in the order of their cache rows."""
 
-    rows: list[Row] = field(default_factory=list)
-    tcache: object = None
-    dcache: object = None
-    anchors: torch.Tensor | None = None
+    rows: list[Row]
+    tcache: KVCache
+    dcache: ProposerCache | None
+    anchors: torch.Tensor  # [B] each row's last token, not yet in the caches
 
 
 class SpeculativeEngine:
@@ -61,32 +62,56 @@ class SpeculativeEngine:
     def gamma(self) -> int:
         return self.drafter.block_size if self.drafter is not None else 0
 
-    def new_batch(self) -> Batch:
+    def new_batch(self, size: int = 0) -> Batch:
+        """A batch with caches for `size` rows (filled by a prefill before any round)."""
         empty = torch.empty(0, dtype=torch.long, device=self.target.device)
-        return Batch([], self.target.new_cache(0), self.drafter.new_cache(0) if self.drafter else None, empty)
+        return Batch([], self.target.new_cache(size), self.drafter.new_cache(size) if self.drafter else None, empty)
 
     @torch.no_grad()
     def admit(self, batch: Batch, requests: list[RequestState], sampling: list[SamplingParams],
               generators: list[torch.Generator], on_tokens=None) -> None:
-        """Prefill: the target reads each new prompt and says its first token, the anchor of the row's first round."""
-        target, device, start = self.target, self.target.device, time.perf_counter()
-        prompts = [r.prompt for r in requests]
-        tcache = target.new_cache(len(prompts))
-        ids, lengths = pad_prompts(prompts, device)
-        out = target.forward(tcache, ids, lengths, logits="last", features=self.layer_ids)
-        anchors = next_token(out.logits[:, 0], sampling, generators)
-        batch.tcache.merge(tcache)
-        if self.drafter is not None:
-            dcache = self.drafter.new_cache(len(prompts))
-            self.drafter.extend_context(dcache, out.features, lengths, following(ids, lengths - 1, anchors))
-            batch.dcache.merge(dcache)
-        batch.anchors = torch.cat([batch.anchors, anchors])
+        """Prefill: the target reads each new prompt and says its first token, the anchor of the row's first round.
+        The prefill runs apart from `batch`, which it joins only once it succeeded."""
+        start = time.perf_counter()
+        joining = self.new_batch(len(requests))
+        logits = self._prefill(joining, [r.prompt for r in requests], lambda last: next_token(last, sampling, generators))
         now = time.perf_counter()
-        for request, params, gen, token in zip(requests, sampling, generators, anchors.tolist()):
+        for i, (request, params, gen) in enumerate(zip(requests, sampling, generators)):
             row = Row(request, params, gen, SpecStats(self.gamma), start)
             row.stats.prefill_seconds = now - start
-            batch.rows.append(row)
-            emit(request, [token], on_tokens)
+            joining.rows.append(row)
+        tokens = joining.anchors.tolist()
+        for i, row in enumerate(joining.rows):
+            emit(row.request, [tokens[i]], on_tokens, logits[i : i + 1])
+        self.merge(batch, joining)
+
+    @torch.no_grad()
+    def rebuild(self, rows: list[Row]) -> Batch:
+        """A new batch of these rows rebuilt from their tokens alone (cache: prompt and output but the last token;
+        anchor: the last token), for rows whose caches a failed round left in an unknown state."""
+        batch = self.new_batch(len(rows))
+        last = torch.tensor([r.request.output[-1] for r in rows], dtype=torch.long, device=self.target.device)
+        self._prefill(batch, [r.request.prompt + r.request.output[:-1] for r in rows], lambda _logits: last)
+        batch.rows = list(rows)
+        return batch
+
+    def _prefill(self, batch: Batch, contexts: list[list[int]], choose) -> torch.Tensor:
+        """Read `contexts` into the caches of `batch` (new, sized for them); its anchors are choose(last logits). Returns those
+        logits [B, V]."""
+        ids, lengths = pad_prompts(contexts, self.target.device)
+        out = self.target.forward(batch.tcache, ids, lengths, logits="last", features=self.layer_ids)
+        batch.anchors = choose(out.logits[:, 0])
+        if self.drafter is not None:
+            self.drafter.extend_context(batch.dcache, out.features, lengths, following(ids, lengths - 1, batch.anchors))
+        return out.logits[:, 0]
+
+    def merge(self, batch: Batch, other: Batch) -> None:
+        """Append the rows of `other` to `batch`."""
+        batch.tcache.merge(other.tcache)
+        if batch.dcache is not None:
+            batch.dcache.merge(other.dcache)
+        batch.anchors = torch.cat([batch.anchors, other.anchors])
+        batch.rows += other.rows
 
     @torch.no_grad()
     def step(self, batch: Batch, on_tokens=None, on_round=None) -> list[Row]:
@@ -135,7 +160,7 @@ class SpeculativeEngine:
             row.stats.context_seconds += (t3 - t2) * share
             if on_round and proposal is not None and proposal.confidence_logits is not None:
                 on_round(row.request.index, proposal.confidence_logits[i], ells[i], acc[i])
-            emit(row.request, draft_list[i][: acc[i]] + [nxt[i]], on_tokens)
+            emit(row.request, draft_list[i][: acc[i]] + [nxt[i]], on_tokens, out.logits[i])
         return done + self._drop_finished(batch)
 
     def cancel(self, batch: Batch, index: int) -> None:
@@ -182,8 +207,13 @@ class SpeculativeEngine:
         return [finished[i].result() for i in range(len(requests))]
 
 
-def emit(request: RequestState, tokens: list[int], on_tokens) -> None:
-    taken = request.commit(tokens)
+def emit(request: RequestState, tokens: list[int], on_tokens, logits: torch.Tensor | None = None) -> None:
+    """Commit a row's new tokens; logits [n, V] are the target's at each of them (kept as log-probabilities when
+    the request asks for them)."""
+    logprobs = None
+    if request.top_logprobs is not None and logits is not None:
+        logprobs = token_logprobs(logits, tokens, request.top_logprobs)
+    taken = request.commit(tokens, logprobs)
     if on_tokens and taken:
         on_tokens(request.index, taken)
 

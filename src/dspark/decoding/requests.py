@@ -22,6 +22,28 @@ class GenerationResult:
         return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The target's log-probability of an emitted token (its raw distribution, before temperature, top-k and
+    top-p), and the `top` likeliest tokens with theirs."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """TokenLogprobs of tokens[j] under logits [n, V] row j."""
+    logp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = logp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        alternatives = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alternatives = [[] for _ in tokens]
+    return [TokenLogprob(t, c, a) for t, c, a in zip(tokens, chosen, alternatives)]
+
+
 @dataclass
 class RequestState:
     index: int
@@ -29,7 +51,9 @@ class RequestState:
     max_new_tokens: int
     stop_token_ids: set[int]
     context_window: int | None = None  # the model's maximum sequence length: prompt + output never exceed it
+    top_logprobs: int | None = None  # None: no log-probabilities; k >= 0: each token's, and the k likeliest
     output: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when top_logprobs is set
     finish_reason: str | None = None
 
     def __post_init__(self):
@@ -47,10 +71,9 @@ class RequestState:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def commit(self, tokens: list[int]) -> list[int]:
-        """Append tokens up to and including the first stop token, and at most up to max_new_tokens.
-
-        Returns the tokens actually appended."""
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> list[int]:
+        """Append tokens up to and including the first stop token, and at most up to max_new_tokens (with their
+        log-probabilities, when given). Returns the tokens actually appended."""
         taken = []
         for tok in tokens:
             if self.finished:
@@ -61,6 +84,8 @@ class RequestState:
                 self.finish_reason = "stop"
             elif len(self.output) >= self.max_new_tokens:
                 self.finish_reason = "length"
+        if logprobs is not None:
+            self.logprobs += logprobs[: len(taken)]
         return taken
 
     def result(self, seconds: float, stats: SpecStats | None = None) -> GenerationResult:

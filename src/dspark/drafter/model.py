@@ -374,6 +374,11 @@ class DSparkDrafter(nn.Module):
     # ---- checkpoints -----------------------------------------------------------------------------------------
     def save(self, path: str | Path, target_identity: dict, extra: dict | None = None, dtype=None) -> None:
         """A folder with config.json and model.safetensors (trainable weights only), written atomically."""
+        with atomic_dir(path) as tmp:
+            self.write_files(tmp, target_identity, extra, dtype)
+
+    def write_files(self, folder: Path, target_identity: dict, extra: dict | None = None, dtype=None) -> None:
+        """config.json and model.safetensors into an existing folder (`save` makes that atomic)."""
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
@@ -383,6 +388,5 @@ class DSparkDrafter(nn.Module):
         # The weights file repeats the config fields that shape them, so a config edited apart from its weights
         # (or weights copied from another checkpoint) is caught on load.
         echo = {f"dspark.{k}": json.dumps(getattr(self.config, k)) for k in WEIGHT_SHAPING_FIELDS}
-        with atomic_dir(path) as tmp:
-            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt", **echo})
-            (tmp / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
+        save_file(state, str(Path(folder) / "model.safetensors"), metadata={"format": "pt", **echo})
+        (Path(folder) / "config.json").write_text(json.dumps(meta, indent=2) + "\n")

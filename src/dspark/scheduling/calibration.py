@@ -8,12 +8,14 @@ expected calibration error against observed prefix survival, earlier temperature
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from dspark.errors import DSparkError
+from dspark.fsutil import read_json
 
 CALIBRATION_FILE = "calibration.json"  # written beside a drafter by `dspark calibrate`
 
@@ -145,10 +147,13 @@ def reliability_plot(rounds: Rounds, temperatures: list[float], path, positions=
 
 def read_temperatures(file: str | Path) -> list[float]:
     """STS temperatures from a calibration JSON written by `dspark calibrate`."""
-    try:
-        return json.loads(Path(file).read_text())["sts_temperatures"]
-    except (OSError, KeyError, TypeError, json.JSONDecodeError) as e:
-        raise DSparkError(f"{file}: not a calibration file ({e}); make one with `dspark calibrate`") from e
+    fix = "make one with `dspark calibrate`"
+    data = read_json(file, "calibration file", fix)
+    temps = data.get("sts_temperatures") if isinstance(data, dict) else None
+    if not (isinstance(temps, list) and temps and all(type(t) in (int, float) and math.isfinite(t) and t > 0
+                                                      for t in temps)):
+        raise DSparkError(f"calibration file {file} has no sts_temperatures (a list of positive numbers); {fix}")
+    return [float(t) for t in temps]
 
 
 def drafter_temperatures(drafter_path: str | Path) -> list[float] | None:

@@ -7,7 +7,6 @@ profiled once per engine, machine and precision. Stored in the interchange forma
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import DSparkError
-from dspark.fsutil import atomic_write_json
+from dspark.fsutil import atomic_write_json, read_json
 from dspark.models import machine_cache_file
 
 
@@ -53,11 +52,8 @@ class CostTable:
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise DSparkError(f"cannot read cost table {path}: {e}; make one with `dspark profile`") from e
-        if "token_counts" not in data or "step_time_ms" not in data:
+        data = read_json(path, "cost table", "make one with `dspark profile`")
+        if not isinstance(data, dict) or "token_counts" not in data or "step_time_ms" not in data:
             raise DSparkError(f"{path} is not a cost table (needs token_counts and step_time_ms)")
         meta = {k: v for k, v in data.items() if k not in ("token_counts", "step_time_ms")}
         return cls(data["token_counts"], data["step_time_ms"], meta)

@@ -2,9 +2,9 @@
 
 The loop runs in its own thread, since a round is seconds of torch work that must not block the HTTP event loop.
 HTTP handlers `submit` requests and read their tokens from an asyncio queue that the loop fills; `cancel` (a client
-that went away, a stop string reached) takes a row out at the next round. A prefill that raises fails only the
-requests it was admitting; a round that raises fails the rows it held (their caches are in an unknown state), and
-the loop starts a fresh batch and keeps serving.
+that went away, a stop string reached) takes a row out at the next round. One request never fails another: a
+prefill that raises is retried one request at a time, and a round that raises has each of its rows rebuilt from its
+tokens and run alone once, so only the rows that fail alone fail; the others go on in a fresh batch.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ class EngineLoop:
         self.cancelled: set[int] = set()
         self.wake = threading.Condition()
         self.stopping = False
+        self.closing_at: float | None = None  # after this (monotonic) time, requests in flight are ended
         self.thread = threading.Thread(target=self._run, name="dspark-engine", daemon=True)
 
     # ---- called from the HTTP side ---------------------------------------------------------------------------
@@ -63,13 +64,19 @@ class EngineLoop:
             self.cancelled.add(index)
             self.wake.notify()
 
-    def stop(self, drain_seconds: float = 10.0) -> None:
-        """Finish in-flight requests for up to `drain_seconds`, then cancel what is left and end the loop."""
-        deadline = time.monotonic() + drain_seconds
-        while self.load() and time.monotonic() < deadline:
+    def close_after(self, seconds: float) -> None:
+        """Shutdown has begun: requests in flight `seconds` from now end with reason "shutdown"."""
+        with self.wake:
+            self.closing_at = time.monotonic() + seconds
+            self.wake.notify()
+
+    def stop(self) -> None:
+        """Wait for the requests in flight to finish or be ended by `close_after`, then end the loop."""
+        while self.load() and self.thread.is_alive():
             time.sleep(0.05)
         with self.wake:
             self.stopping = True
+            self.closing_at = time.monotonic()
             self.wake.notify()
         self.thread.join(timeout=30)
 
@@ -79,9 +86,13 @@ class EngineLoop:
         while True:
             with self.wake:
                 while not self.pending and not batch.rows and not self.cancelled and not self.stopping:
-                    self.wake.wait()
+                    self.wake.wait(timeout=None if self.closing_at is None else 0.1)
                 if self.stopping:
                     break
+                if self.closing_at is not None and time.monotonic() >= self.closing_at:
+                    self._end_all(batch, "shutdown")
+                    batch = self.engine.new_batch()
+                    continue
                 room = self.max_batch - len(batch.rows)
                 new = [self.pending.popleft() for _ in range(min(room, len(self.pending)))]
                 cancelled, self.cancelled = self.cancelled, set()
@@ -97,28 +108,67 @@ class EngineLoop:
                 self.engine.cancel(batch, index)
             self.metrics.active.set(len(self.active))
             if new:
-                try:  # a prefill that fails fails its own requests; the batch was not touched yet
-                    self.engine.admit(batch, [s.request for s in new], [s.sampling for s in new],
-                                      [s.sampling.generators(1)[0] for s in new], self._emit)
-                    self.metrics.prompt_tokens.inc(sum(len(s.request.prompt) for s in new))
-                except Exception as e:  # noqa: BLE001 - one bad request must not end the server
-                    for sub in new:
-                        self._finish(self.active.pop(sub.request.index), "error", f"{type(e).__name__}: {e}")
+                self._admit(batch, new)
             if batch.rows:
+                rows = list(batch.rows)
                 try:
-                    rows = len(batch.rows)
-                    for row in self.engine.step(batch, self._emit):
-                        self.metrics.record_stats(row.stats)
-                        self._finish(self.active.pop(row.request.index), row.request.finish_reason)
-                    self.metrics.batch_rows.observe(rows)
-                except Exception as e:  # noqa: BLE001 - a failed round fails the rows it held, then serving goes on
-                    for sub in list(self.active.values()):
-                        self._finish(sub, "error", f"{type(e).__name__}: {e}")
-                    self.active.clear()
-                    batch = self.engine.new_batch()
+                    self._step(batch)
+                    self.metrics.batch_rows.observe(len(rows))
+                except Exception:  # noqa: BLE001 - a failed round fails only the rows that fail alone
+                    batch = self._isolate(rows)
             self.metrics.active.set(len(self.active))
-        for sub in list(self.active.values()) + list(self.pending):
+        self._end_all(batch, "cancelled")
+        for sub in list(self.pending):
             self._finish(sub, "cancelled")
+
+    def _admit(self, batch, subs: list[Submission]) -> None:
+        """Prefill new requests into the batch; when the group's prefill fails, each is tried alone."""
+        try:
+            gens = [s.sampling.generators(1)[0] for s in subs]
+            self.engine.admit(batch, [s.request for s in subs], [s.sampling for s in subs], gens, self._emit)
+            self.metrics.prompt_tokens.inc(sum(len(s.request.prompt) for s in subs))
+        except Exception as e:  # noqa: BLE001 - one bad request must not end the server, nor fail another
+            if len(subs) > 1:
+                for sub in subs:
+                    self._admit(batch, [sub])
+            else:
+                self._fail(subs[0], e)
+
+    def _step(self, batch) -> None:
+        for row in self.engine.step(batch, self._emit):
+            self.metrics.record_stats(row.stats)
+            self._finish(self.active.pop(row.request.index), row.request.finish_reason)
+
+    def _isolate(self, rows) -> object:
+        """After a failed round: rebuild each unfinished row from its tokens and run it alone once. A row that fails
+        alone fails; the others join a fresh batch and go on."""
+        fresh = self.engine.new_batch()
+        for row in rows:
+            sub = self.active.get(row.request.index)
+            if sub is None:
+                continue
+            if row.request.finished:
+                self._finish(self.active.pop(row.request.index), row.request.finish_reason)
+                continue
+            try:
+                alone = self.engine.rebuild([row])
+                self._step(alone)
+                if alone.rows:
+                    self.engine.merge(fresh, alone)
+            except Exception as e:  # noqa: BLE001
+                if row.request.index in self.active:
+                    self._fail(sub, e)
+        return fresh
+
+    def _fail(self, sub: Submission, error: Exception) -> None:
+        self.active.pop(sub.request.index, None)
+        self._finish(sub, "error", f"{type(error).__name__}: {error}")
+
+    def _end_all(self, batch, reason: str) -> None:
+        for sub in list(self.active.values()):
+            self._finish(sub, reason)
+        self.active.clear()
+        batch.rows.clear()
 
     def _emit(self, index: int, tokens: list[int]) -> None:
         sub = self.active.get(index)

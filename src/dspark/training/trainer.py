@@ -26,7 +26,7 @@ from tqdm import tqdm
 from dspark.drafter import DSparkConfig, lineage, load_drafter, new_drafter, port_to_qwen3, read_checkpoint_meta
 from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
-from dspark.fsutil import atomic_dir, recover_dir
+from dspark.fsutil import atomic_dir, atomic_write_text, recover_dir
 from dspark.target import resolve_device
 from dspark.training.anchors import (block_supervision, leading_runs, position_weights, rounds_by_row, sample_anchors,
                                      visited_anchors)
@@ -557,10 +557,14 @@ def load_checkpoint(path: Path, drafter, optimizer) -> tuple[dict, dict]:
         tensors = load_file(str(path / "trainer_state.safetensors"))
     except (OSError, ValueError, RuntimeError) as e:
         raise DSparkError(f"{path} is damaged and cannot be resumed ({e}); restart the run without --resume") from e
+    check_trainer_state(meta, optimizer, path / "trainer_state.json")
     state = {}
     for key, value in tensors.items():
         if key.startswith("state."):
             _, idx, name = key.split(".", 2)
+            if not idx.isdigit() or int(idx) >= sum(len(g["params"]) for g in meta["param_groups"]):
+                raise DSparkError(f"{path}/trainer_state.safetensors: optimizer state for parameter {idx}, which "
+                                  "this drafter does not have; the checkpoint is damaged (restart without --resume)")
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
@@ -568,6 +572,55 @@ def load_checkpoint(path: Path, drafter, optimizer) -> tuple[dict, dict]:
         torch.cuda.set_rng_state(tensors["rng.cuda"])
     random.setstate(python_rng_state(meta.get("python_rng"), path))
     return meta["loop"], meta["train_config"]
+
+
+def check_trainer_state(meta, optimizer, where: Path) -> None:
+    """Every field the loop and the optimizer read, checked against this run before anything is loaded."""
+    def damaged(what: str):
+        return DSparkError(f"{where}: {what}; the checkpoint is damaged or edited (restart the run without --resume)")
+
+    if not isinstance(meta, dict) or not isinstance(meta.get("loop"), dict):
+        raise damaged("it holds no loop state")
+    loop = meta["loop"]
+    for key in ("step", "epoch", "batch", "tokens"):
+        if type(loop.get(key)) is not int or loop[key] < 0:
+            raise damaged(f"loop.{key} must be a non-negative integer, got {loop.get(key)!r}")
+    for key in ("seconds", "core_seconds"):
+        value = loop.get(key, 0.0)
+        if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+            raise damaged(f"loop.{key} must be a non-negative number, got {value!r}")
+    if not isinstance(meta.get("train_config"), dict):
+        raise damaged("train_config is missing")
+    groups, mine = meta.get("param_groups"), optimizer.state_dict()["param_groups"]
+    if not isinstance(groups, list) or len(groups) != len(mine):
+        raise damaged(f"it has {len(groups) if isinstance(groups, list) else 'no'} parameter groups, this drafter "
+                      f"{len(mine)}")
+    for i, (saved, ours) in enumerate(zip(groups, mine)):
+        if not isinstance(saved, dict) or saved.get("params") != ours["params"]:
+            raise damaged(f"parameter group {i} does not hold this drafter's parameters")
+        for key in ("lr", "weight_decay", "lr_scale", "eps"):
+            value = saved.get(key, ours.get(key, 0.0))
+            if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
+                raise damaged(f"parameter group {i}: {key} must be a non-negative number, got {value!r}")
+        betas = saved.get("betas")
+        if not (isinstance(betas, list) and len(betas) == 2 and all(type(b) in (int, float) and 0 <= b < 1
+                                                                  for b in betas)):
+            raise damaged(f"parameter group {i}: betas must be two numbers in [0, 1), got {betas!r}")
+
+
+def keep_metrics_up_to(path: Path, step: int) -> None:
+    """A resumed run replays the steps after its checkpoint: drop their lines (and a torn last line) first."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8", errors="replace").split("\n"):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line)
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
 def python_rng_state(data, path) -> tuple:
@@ -712,6 +765,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if not (checkpoint / "trainer_state.json").exists():
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
         loop, saved = load_checkpoint(checkpoint, drafter, optimizer)
+        if loop["step"] >= total:
+            raise DSparkError(f"the checkpoint in {checkpoint} is at step {loop['step']}, {'the end' if loop['step'] == total else 'past the end'} "
+                              f"of a schedule of {total} steps: nothing to train. Pass --max-steps above "
+                              f"{loop['step']} to go on")
         # The lineage as at the run's start, even if --init-from has been overwritten since; checkpoints written
         # before the lineage existed keep the one just read from --init-from.
         ancestors = read_checkpoint_meta(checkpoint).get("lineage", ancestors)
@@ -728,6 +785,8 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
 
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails on its inputs leaves no folder behind
+    if rank == 0 and resume:
+        keep_metrics_up_to(out / "metrics.jsonl", loop["step"])
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
     bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
                dynamic_ncols=True)
