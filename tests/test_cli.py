@@ -29,14 +29,43 @@ def test_generate_json(real_target):
     assert out["new_tokens"] == 8 and out["text"] and out["tokens_per_s"] > 0 and len(out["token_ids"]) == 8
 
 
-def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter):
-    proc = dspark("generate", "List three prime numbers.", "--max-new-tokens", "24", "--drafter", str(untrained_drafter),
-                  "--compare-plain", "--json", "--dtype", "float32")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter, dtype):
+    proc = dspark(
+        "generate",
+        "List three prime numbers.",
+        "--max-new-tokens",
+        "24",
+        "--drafter",
+        str(untrained_drafter),
+        "--compare-plain",
+        "--json",
+        "--dtype",
+        dtype,
+    )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert out["identical_to_plain"] is True and len(out["accept_by_position"]) == 7
     assert round(out["tau"] * out["rounds"]) == out["new_tokens"] - 1  # each token after the first from one round
     assert out["speedup"] > 0
+
+
+@pytest.mark.real
+def test_the_shipped_drafter_in_bfloat16_gives_plain_output_token_for_token(real_target):
+    """bfloat16 runs batch-invariant: speculative output equals plain output on real prompts, near ties included."""
+    from dspark.assets import eval_prompts, shipped_drafter
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16")
+    drafter = load_drafter(shipped_drafter("smollm2-135m-instruct"), target)
+    prompts = [target.encode_chat(p) for name in ("gsm8k", "mt-bench", "humaneval") for p in eval_prompts(name, 2)]
+    plain = [r.token_ids for r in generate_plain(target, prompts, 48)]
+    alone = [SpeculativeEngine(target, drafter).generate([p], 48)[0].token_ids for p in prompts]
+    batched = [r.token_ids for r in SpeculativeEngine(target, drafter).generate(prompts, 48)]
+    assert alone == plain and batched == plain
 
 
 @pytest.mark.parametrize(
@@ -63,8 +92,17 @@ def test_models_lists_the_default_target(real_target):
 
 
 def test_demo_runs_side_by_side(untrained_drafter):
-    proc = dspark("demo", "--drafter", str(untrained_drafter), "--datasets", "gsm8k", "--max-new-tokens", "12",
-                  "--dtype", "float32")
+    proc = dspark(
+        "demo",
+        "--drafter",
+        str(untrained_drafter),
+        "--datasets",
+        "gsm8k",
+        "--max-new-tokens",
+        "12",
+        "--dtype",
+        "float32",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "outputs IDENTICAL" in proc.stdout and "speed-up" in proc.stdout and "mean τ" in proc.stdout
 
@@ -82,8 +120,17 @@ def test_shipped_drafter_demo(tmp_path):
     assert (path / "model.safetensors").stat().st_size <= 40e6
     assert (path / "MODEL_CARD.md").is_file() and (path / "calibration.json").is_file()
     CostTable([1, 2, 4, 8], [47.0, 63.0, 73.0, 93.0]).save(tmp_path / "costs.json")
-    proc = dspark("demo", "--datasets", "gsm8k", "--max-new-tokens", "32", "--dtype", "float32",
-                  "--cost-table", tmp_path / "costs.json")
+    proc = dspark(
+        "demo",
+        "--datasets",
+        "gsm8k",
+        "--max-new-tokens",
+        "32",
+        "--dtype",
+        "float32",
+        "--cost-table",
+        tmp_path / "costs.json",
+    )
     assert proc.returncode == 0, proc.stderr
     assert "prefix scheduler" in proc.stdout and "identical outputs: 1/1" in proc.stdout
     tau = float(proc.stdout.split("mean τ ")[1].split(";")[0])

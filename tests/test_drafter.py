@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
-from dspark.sampling import SamplingParams
 from dspark.drafter import DSparkConfig, load_drafter, new_drafter
 from dspark.drafter.heads import ConfidenceHead, GatedMarkovHead, RNNHead, VanillaMarkovHead
 from dspark.errors import DSparkError
+from dspark.sampling import SamplingParams
 
 HEADS = ["vanilla", "gated", "rnn"]
 
@@ -198,8 +198,15 @@ def test_drafter_on_real_target_config(real_target):
 
 def test_eagle_training_chain_equals_its_inference_chain(target, tmp_path):
     """Training-time test must compute what autoregressive drafting computes, step for step (teacher forced)."""
-    drafter = tiny_drafter(target, architecture="eagle3", block_size=4, num_draft_layers=1, markov_rank=0,
-                           enable_confidence_head=False, confidence_head_with_markov=False)
+    drafter = tiny_drafter(
+        target,
+        architecture="eagle3",
+        block_size=4,
+        num_draft_layers=1,
+        markov_rank=0,
+        enable_confidence_head=False,
+        confidence_head_with_markov=False,
+    )
     ids = torch.randint(0, 90, (1, 20))
     features = torch.randn(1, 20, 64)
     anchor = 9
@@ -226,15 +233,16 @@ def test_a_qwen3_style_backbone_drafts_for_any_family(family, tmp_path):
 
     sliding = dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"] * 2)
     target = tiny_family_target(family, **(sliding if family.startswith("gemma") else {}))
-    drafter = new_drafter(target, DSparkConfig(num_draft_layers=1, markov_rank=8, block_size=4, backbone="qwen3",
-                                               mask_token_id=96))
+    drafter = new_drafter(
+        target, DSparkConfig(num_draft_layers=1, markov_rank=8, block_size=4, backbone="qwen3", mask_token_id=96)
+    )
     assert type(drafter.layers[0]).__name__ == "Qwen3DecoderLayer" and hasattr(drafter.layers[0].self_attn, "q_norm")
     assert drafter.init_from_target_layers(target.model) == [3]
     source = target.model.model.layers[3]
     torch.testing.assert_close(drafter.layers[0].mlp.down_proj.weight, source.mlp.down_proj.weight)
     if family.startswith("gemma"):  # Gemma norms scale by 1 + w, Qwen3's by w; the drafter embeds as Gemma does
         torch.testing.assert_close(drafter.layers[0].input_layernorm.weight, source.input_layernorm.weight + 1)
-        assert drafter.embed_scale == 32 ** 0.5
+        assert drafter.embed_scale == 32**0.5
     drafter.save(tmp_path / "d", target.identity())
     loaded = load_drafter(tmp_path / "d", target)
     assert loaded.config.backbone == "qwen3"

@@ -50,7 +50,7 @@ def test_greedy_identical_under_threshold_and_short_policies():
         results = engine.generate(prompts, 25)
         assert [r.token_ids for r in results] == expected
         for r in results:  # never more accepted than the policy let through
-            assert not any(r.stats.accepted_hist[most + 1:]) and r.stats.verified_tokens <= most * r.stats.rounds
+            assert not any(r.stats.accepted_hist[most + 1 :]) and r.stats.verified_tokens <= most * r.stats.rounds
 
 
 def oracle_policies(batch: int):
@@ -59,8 +59,12 @@ def oracle_policies(batch: int):
     from dspark.scheduling.profile import CostTable
 
     curve = CostTable([batch, 2 * batch, 4 * batch, 8 * batch], [10.0, 11.0, 13.0, 20.0])
-    return {"fixed": FixedLength(), "threshold": ConfidenceThreshold(0.6), "scheduler": PrefixScheduler(curve),
-            "production": ProductionScheduler(curve)}
+    return {
+        "fixed": FixedLength(),
+        "threshold": ConfidenceThreshold(0.6),
+        "scheduler": PrefixScheduler(curve),
+        "production": ProductionScheduler(curve),
+    }
 
 
 @pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler", "production"])
@@ -71,8 +75,11 @@ def test_greedy_identical_with_a_noisy_oracle_in_ragged_batches(gamma, policy):
     target = tiny_target(eos=7, seed=gamma)
     prompts = prompts_for(target, [6, 1, 13, 4, 9], seed=gamma)
     expected = [r.token_ids for r in generate_plain(target, prompts, 40)]
-    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=gamma, noise=0.25, seed=gamma),
-                               oracle_policies(len(prompts))[policy])
+    engine = SpeculativeEngine(
+        target,
+        NoisyOracle(target, prompts, block_size=gamma, noise=0.25, seed=gamma),
+        oracle_policies(len(prompts))[policy],
+    )
     results = engine.generate(prompts, 40)
     assert [r.token_ids for r in results] == expected
     accepted = sum(r.stats.tokens - r.stats.rounds for r in results)
@@ -173,8 +180,9 @@ def test_sampling_with_a_noisy_oracle_follows_the_target_in_a_ragged_batch(polic
     target = peaked_target()
     params = SAMPLING_CASES[1]
     prompts = [[1, 2, 3]] * 3000 + [[4]] * 3000
-    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=3, noise=0.3),
-                               oracle_policies(len(prompts))[policy])
+    engine = SpeculativeEngine(
+        target, NoisyOracle(target, prompts, block_size=3, noise=0.3), oracle_policies(len(prompts))[policy]
+    )
     results = engine.generate(prompts, 4, params, stop_token_ids=set())
     accepted = sum(r.stats.tokens - r.stats.rounds for r in results)
     assert accepted > 0.5 * len(prompts)
@@ -190,9 +198,17 @@ def test_sampling_with_a_noisy_oracle_follows_the_target_in_a_ragged_batch(polic
 def test_sampling_distribution_with_other_drafters(kind):
     """The reduced draft vocabulary (probabilities mapped back to target ids) and the EAGLE baseline are lossless."""
     target = peaked_target()
-    overrides = dict(draft_vocab_size=4) if kind == "draft-vocab" else dict(
-        architecture="eagle3", num_draft_layers=1, markov_rank=0, enable_confidence_head=False,
-        confidence_head_with_markov=False)
+    overrides = (
+        dict(draft_vocab_size=4)
+        if kind == "draft-vocab"
+        else dict(
+            architecture="eagle3",
+            num_draft_layers=1,
+            markov_rank=0,
+            enable_confidence_head=False,
+            confidence_head_with_markov=False,
+        )
+    )
     drafter = tiny_drafter(target, block_size=3, **{"markov_rank": 4, **overrides})
     if kind == "draft-vocab":
         drafter.set_draft_vocab(torch.tensor([0, 1, 3, 4]))
@@ -241,11 +257,20 @@ def test_statistics_are_consistent():
 @pytest.mark.parametrize("preset_gamma", [7, 1], ids=["eagle3", "mtp1"])
 def test_eagle_and_mtp_baselines_are_lossless(preset_gamma):
     target = tiny_target(eos=7)
-    drafter = tiny_drafter(target, architecture="eagle3", block_size=preset_gamma, num_draft_layers=1, markov_rank=0,
-                           enable_confidence_head=False, confidence_head_with_markov=False)
+    drafter = tiny_drafter(
+        target,
+        architecture="eagle3",
+        block_size=preset_gamma,
+        num_draft_layers=1,
+        markov_rank=0,
+        enable_confidence_head=False,
+        confidence_head_with_markov=False,
+    )
     engine = SpeculativeEngine(target, drafter)
     prompts = prompts_for(target, [6, 1, 13, 4])
-    assert [r.token_ids for r in engine.generate(prompts, 30)] == [r.token_ids for r in generate_plain(target, prompts, 30)]
+    assert [r.token_ids for r in engine.generate(prompts, 30)] == [
+        r.token_ids for r in generate_plain(target, prompts, 30)
+    ]
     params = SamplingParams(temperature=1.0, seed=9)
     sampled = engine.generate(prompts, 20, params)
     assert all(len(r.token_ids) == 20 or r.token_ids[-1] == 7 for r in sampled)
@@ -273,8 +298,16 @@ def test_unsupported_family_is_refused_clearly():
     from dspark.errors import DSparkError
     from dspark.target import Target
 
-    config = AutoConfig.for_model("mixtral", vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    config = AutoConfig.for_model(
+        "mixtral",
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
     with pytest.raises(DSparkError, match="'mixtral' models are not supported yet"):
         Target(AutoModelForCausalLM.from_config(config).eval(), TinyTokenizer(97, 1), name="tiny-moe", layer_ids=[0, 2])
 
@@ -314,7 +347,9 @@ def test_without_a_drafter_the_loop_is_plain_decoding():
     target = tiny_target(eos=7)
     prompts = prompts_for(target, [6, 1, 13])
     engine = SpeculativeEngine(target)
-    assert [r.token_ids for r in engine.generate(prompts, 25)] == [r.token_ids for r in generate_plain(target, prompts, 25)]
+    assert [r.token_ids for r in engine.generate(prompts, 25)] == [
+        r.token_ids for r in generate_plain(target, prompts, 25)
+    ]
     params = SAMPLING_CASES[1]
     peaked = peaked_target()
     seqs, probs = exact_distribution(peaked, [1, 2, 3], 4, params)

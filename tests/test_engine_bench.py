@@ -20,7 +20,7 @@ def test_profile_measures_every_batch_shape():
 
 
 def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path):
-    from dspark.scheduling import precision
+    from dspark import autotune as precision
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     loads = []
@@ -51,14 +51,24 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
         self.decoder.few_rows_transposed = True
         return self
 
-    monkeypatch.setattr(Target, "choose_product_forms", transposed)
+    monkeypatch.setattr("dspark.autotune.choose_product_forms", transposed)
     folder, _ = tiny_run
     target = Target.load(str(folder))
     tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
-    run = run_engine_bench(str(folder), ["float32"], tmp_path / "drafter", [str(evalset)], 6, counts=(1, 2),
-                           context=8, repeats=1, bandwidth_gib=0.01, progress=lambda _: None)
+    run = run_engine_bench(
+        str(folder),
+        ["float32"],
+        tmp_path / "drafter",
+        [str(evalset)],
+        6,
+        counts=(1, 2),
+        context=8,
+        repeats=1,
+        bandwidth_gib=0.01,
+        progress=lambda _: None,
+    )
     assert run["llama_cpp"] is None  # a local folder ships no GGUF
     engines = {r["engine"] for r in run["forward"]}
     assert engines == {"ours", "ours, F.linear on few rows", "hf", "bandwidth bound"}  # the replaced form beside

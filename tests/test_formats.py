@@ -86,8 +86,14 @@ def test_what_a_format_cannot_express_is_refused(target, portable, tmp_path):
     with pytest.raises(DSparkError, match="no reduced draft vocabulary"):
         export_foreign(portable, target, tmp_path, "deepspec", torch.float32)
     with pytest.raises(DSparkError, match="vanilla Markov head"):
-        export_foreign(tiny_drafter(target, backbone="qwen3", markov_head_type="rnn"), target, tmp_path, "gguf",
-                       torch.float32, tmp_path / "unused.gguf")
+        export_foreign(
+            tiny_drafter(target, backbone="qwen3", markov_head_type="rnn"),
+            target,
+            tmp_path,
+            "gguf",
+            torch.float32,
+            tmp_path / "unused.gguf",
+        )
 
 
 def test_import_refuses_a_bonus_anchor_drafter_and_another_target(target, portable, tmp_path):
@@ -153,8 +159,10 @@ def llama_cpp_or_skip():
 
     llama_cpp = import_llama_cpp()
     if llama_cpp is None:
-        pytest.skip("llama-cpp-python is not installed or finds no libllama (pip install llama-cpp-python, or set "
-                    "LLAMA_CPP_LIB_PATH to a llama.cpp build; see docs/formats.md)")
+        pytest.skip(
+            "llama-cpp-python is not installed or finds no libllama (pip install llama-cpp-python, or set "
+            "LLAMA_CPP_LIB_PATH to a llama.cpp build; see docs/formats.md)"
+        )
     return llama_cpp
 
 
@@ -233,9 +241,17 @@ def test_llama_cpp_regenerates_the_targets_answers(real_target, tmp_path):
     from dspark.training.llama_backend import load_llama
     from dspark.training.regenerate import regenerate
 
-    records = [{"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
-               {"id": "b", "messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"},
-                                        {"role": "user", "content": "Name a color."}]}]
+    records = [
+        {"id": "a", "messages": [{"role": "user", "content": "What is the capital of France?"}]},
+        {
+            "id": "b",
+            "messages": [
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "x"},
+                {"role": "user", "content": "Name a color."},
+            ],
+        },
+    ]
     llm = load_llama(target_gguf("smollm2-135m-instruct"), real_target, threads=2)
     regenerate(real_target, records, tmp_path / "llama.jsonl", max_new_tokens=12, progress=False, llm=llm)
     written = {r["id"]: r for r in map(json.loads, open(tmp_path / "llama.jsonl"))}
@@ -268,5 +284,16 @@ def test_export_and_import_through_the_command_line(saved_drafter, tmp_path, cap
     assert all(torch.equal(v, back.state_dict()[k]) for k, v in original.state_dict().items())
     refused(capsys, "neither a speculators DSpark folder", "import", ckpt, tmp_path / "other", "--model", folder)
     refused(capsys, "--overwrite", "import", tmp_path / "spec", tmp_path / "back", "--model", folder)
-    refused(capsys, "does not exist", "export", ckpt, tmp_path / "g", "--model", folder, "--format", "gguf",
-            "--target-gguf", tmp_path / "missing.gguf")
+    refused(
+        capsys,
+        "does not exist",
+        "export",
+        ckpt,
+        tmp_path / "g",
+        "--model",
+        folder,
+        "--format",
+        "gguf",
+        "--target-gguf",
+        tmp_path / "missing.gguf",
+    )

@@ -23,8 +23,9 @@ def test_regeneration_on_the_gpu_writes_what_the_cpu_writes(tiny_run, tmp_path):
     answers = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / f"{device}.jsonl"
-        regenerate(Target.load(str(folder), device=device), prompts, out, max_new_tokens=20, batch_size=5,
-                   progress=False)
+        regenerate(
+            Target.load(str(folder), device=device), prompts, out, max_new_tokens=20, batch_size=5, progress=False
+        )
         answers[device] = {r["id"]: r["assistant_token_ids"] for r in map(json.loads, out.read_text().splitlines())}
     assert answers["cuda"] == answers["cpu"] and len(answers["cuda"]) == 12
 
@@ -37,8 +38,10 @@ def test_training_on_the_gpu_learns_and_its_checkpoint_decodes_losslessly_on_the
     from dspark.training.trainer import train
 
     folder, data = tiny_run
-    train(tiny_config(folder, data, tmp_path / "run", max_steps=20, device="cuda", target_dtype="bfloat16", bf16=True),
-          progress=False)
+    train(
+        tiny_config(folder, data, tmp_path / "run", max_steps=20, device="cuda", target_dtype="bfloat16", bf16=True),
+        progress=False,
+    )
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1]["step"] == 20 and steps[-1]["loss"] < steps[0]["loss"]
     assert "cuda" in json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())["progress"]["device"]

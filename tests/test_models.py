@@ -70,7 +70,9 @@ def test_processes_that_start_together_convert_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(models, "_convert", slow_convert)
     paths = []
-    threads = [threading.Thread(target=lambda: paths.append(models.provision("smollm2-135m-instruct"))) for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: paths.append(models.provision("smollm2-135m-instruct"))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

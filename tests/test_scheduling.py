@@ -8,11 +8,11 @@ import torch
 from conftest import tiny_drafter, tiny_target
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
-from dspark.scheduling.planner import PrefixScheduler
-from dspark.sampling import SamplingParams
 from dspark.decoding.verify import verify_sampling
 from dspark.errors import DSparkError
+from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
+from dspark.scheduling.planner import PrefixScheduler
 from dspark.scheduling.profile import CostTable, profile_target
 
 APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
@@ -47,7 +47,10 @@ def test_algorithm_1_by_hand():
     assert PrefixScheduler(mild).lengths(conf, 3, 1).tolist() == [2]
     # two requests compete for the budget: the more confident one gets the tokens first
     two = torch.tensor([[logit(0.95), logit(0.9)], [logit(0.3), logit(0.3)]])
-    assert PrefixScheduler(CostTable([2, 3, 4, 5, 6], [10.0, 10.5, 11.0, 20.0, 30.0])).lengths(two, 2, 2).tolist() == [2, 0]
+    assert PrefixScheduler(CostTable([2, 3, 4, 5, 6], [10.0, 10.5, 11.0, 20.0, 30.0])).lengths(two, 2, 2).tolist() == [
+        2,
+        0,
+    ]
     with pytest.raises(DSparkError, match="confidence head"):
         PrefixScheduler(flat).lengths(None, 3, 1)
 
@@ -90,8 +93,9 @@ def test_a_search_without_early_stop_is_biased():
 
 def test_scheduled_engine_is_lossless():
     target = tiny_target(eos=7)
-    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=6),
-                               PrefixScheduler(CostTable([1, 4, 8], [10.0, 11.0, 14.0])))
+    engine = SpeculativeEngine(
+        target, tiny_drafter(target, block_size=6), PrefixScheduler(CostTable([1, 4, 8], [10.0, 11.0, 14.0]))
+    )
     prompts = [[9, 10, 11, 12], [40, 41], [60, 61, 62, 63, 64, 65]]
     results = engine.generate(prompts, 25)
     assert [r.token_ids for r in results] == [r.token_ids for r in generate_plain(target, prompts, 25)]
@@ -133,20 +137,65 @@ def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run
     (tmp_path / "p.txt").write_text("t5 t6 t7\nt9 t10\nt20 t21 t22 t23\n")
 
     def run(*args):
-        proc = subprocess.run([sys.executable, "-m", "dspark.cli", *args, "--dtype", "float32"], capture_output=True,
-                              text=True, timeout=300)
+        proc = subprocess.run(
+            [sys.executable, "-m", "dspark.cli", *args, "--dtype", "float32"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr
         return proc.stdout
 
-    run("profile", "--model", str(folder), "--out", str(tmp_path / "costs.json"), "--token-counts", "1", "2", "5",
-        "--context", "8", "--repeats", "1")
-    run("calibrate", "--model", str(folder), "--drafter", str(tmp_path / "d"), "--data", str(tmp_path / "p.txt"),
-        "--max-new-tokens", "16", "--out", str(tmp_path / "calib.json"), "--plot", str(tmp_path / "calib.png"))
+    run(
+        "profile",
+        "--model",
+        str(folder),
+        "--out",
+        str(tmp_path / "costs.json"),
+        "--token-counts",
+        "1",
+        "2",
+        "5",
+        "--context",
+        "8",
+        "--repeats",
+        "1",
+    )
+    run(
+        "calibrate",
+        "--model",
+        str(folder),
+        "--drafter",
+        str(tmp_path / "d"),
+        "--data",
+        str(tmp_path / "p.txt"),
+        "--max-new-tokens",
+        "16",
+        "--out",
+        str(tmp_path / "calib.json"),
+        "--plot",
+        str(tmp_path / "calib.png"),
+    )
     calib = json.loads((tmp_path / "calib.json").read_text())
     assert len(calib["sts_temperatures"]) == 4 and calib["rounds"] > 0 and (tmp_path / "calib.png").exists()
-    out = json.loads(run("generate", "t5 t6", "--model", str(folder), "--drafter", str(tmp_path / "d"), "--max-new-tokens",
-                         "16", "--cost-table", str(tmp_path / "costs.json"), "--calibration", str(tmp_path / "calib.json"),
-                         "--json", "--compare-plain"))
+    out = json.loads(
+        run(
+            "generate",
+            "t5 t6",
+            "--model",
+            str(folder),
+            "--drafter",
+            str(tmp_path / "d"),
+            "--max-new-tokens",
+            "16",
+            "--cost-table",
+            str(tmp_path / "costs.json"),
+            "--calibration",
+            str(tmp_path / "calib.json"),
+            "--json",
+            "--compare-plain",
+        )
+    )
     assert out["identical_to_plain"] is True
 
 

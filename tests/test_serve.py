@@ -80,12 +80,16 @@ def test_chat_whole_and_streamed_with_exact_usage(tiny):
         whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
         assert whole.choices[0].message.content == expected
         assert whole.usage.completion_tokens == count and whole.usage.prompt_tokens == len(target.encode_chat(messages))
-        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
-                                                     stream=True))
+        chunks = list(
+            client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "stream": True}) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json={"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "stream": True},
+        ) as r:
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
         text = client.completions.create(model="tiny", prompt=words(4), max_tokens=6, temperature=0)
@@ -103,8 +107,11 @@ def test_32_concurrent_clients_get_what_they_get_alone(tiny):
         client = server.client()
 
         def ask(messages):
-            return client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
-                                                  temperature=0).choices[0].message.content
+            return (
+                client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+                .choices[0]
+                .message.content
+            )
 
         with ThreadPoolExecutor(32) as pool:
             got = list(pool.map(ask, prompts))
@@ -119,9 +126,17 @@ def test_seeded_sampling_is_reproducible_and_plain_serving_works(tiny):
     app = create_app(SpeculativeEngine(target), target.tokenizer, ServeConfig("tiny"))  # no drafter: plain
     with LiveServer(app) as server:
         client = server.client()
-        ask = lambda seed: client.chat.completions.create(  # noqa: E731
-            model="tiny", messages=[{"role": "user", "content": words(5)}], max_tokens=24, temperature=1.0,
-            seed=seed).choices[0].message.content
+        ask = lambda seed: (
+            client.chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": words(5)}],
+                max_tokens=24,
+                temperature=1.0,
+                seed=seed,
+            )
+            .choices[0]
+            .message.content
+        )
         assert ask(7) == ask(7)
         assert len({ask(s) for s in range(6)}) > 1
 
@@ -130,9 +145,18 @@ def test_a_client_that_leaves_frees_its_row(tiny):
     target, drafter = tiny
     app = create_app(SlowEngine(target, drafter), target.tokenizer, ServeConfig("tiny", max_tokens_limit=500))
     with LiveServer(app) as server:
-        with httpx.stream("POST", server.url + "/v1/chat/completions", json={
-                "model": "tiny", "messages": [{"role": "user", "content": words(5)}], "max_tokens": 500,
-                "temperature": 0, "stream": True}, timeout=30) as r:
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": words(5)}],
+                "max_tokens": 500,
+                "temperature": 0,
+                "stream": True,
+            },
+            timeout=30,
+        ) as r:
             for i, _ in enumerate(r.iter_lines()):
                 if i >= 3:
                     break
@@ -151,9 +175,12 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
     good = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 4}
     auth = {"Authorization": "Bearer sekret"}
     with LiveServer(app) as server:
-        post = lambda body, headers=auth, raw=None: httpx.post(  # noqa: E731
-            server.url + "/v1/chat/completions", headers={**headers, "Content-Type": "application/json"},
-            content=raw if raw is not None else json.dumps(body), timeout=30)
+        post = lambda body, headers=auth, raw=None: httpx.post(
+            server.url + "/v1/chat/completions",
+            headers={**headers, "Content-Type": "application/json"},
+            content=raw if raw is not None else json.dumps(body),
+            timeout=30,
+        )
         cases = [
             (post(good, headers={}), 401, "invalid_api_key"),
             (post(good, headers={"Authorization": "Bearer wrong"}), 401, "invalid_api_key"),
@@ -164,8 +191,9 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
             (post(dict(good, temperature=float("inf")), raw=json.dumps(dict(good, temperature=1e999))), 400, None),
             (post(dict(good, messages=[{"role": "user", "content": words(1100)}])), 413, "request_too_large"),
         ]
-        chunked = httpx.post(server.url + "/v1/chat/completions", headers=auth,
-                             content=iter([json.dumps(good).encode()]), timeout=30)  # no Content-Length
+        chunked = httpx.post(
+            server.url + "/v1/chat/completions", headers=auth, content=iter([json.dumps(good).encode()]), timeout=30
+        )  # no Content-Length
         cases.append((chunked, 411, "length_required"))
         for response, status, code in cases:
             assert response.status_code == status, (status, response.text)
@@ -187,8 +215,13 @@ def test_requests_over_the_limit_are_answered_429(tiny):
     config = ServeConfig("tiny", max_concurrent=1, max_tokens_limit=500)
     engine = GatedEngine(target, drafter)
     app = create_app(engine, target.tokenizer, config)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 300, "stream": True,
-            "temperature": 0}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words(4)}],
+        "max_tokens": 300,
+        "stream": True,
+        "temperature": 0,
+    }
     with LiveServer(app) as server:
         with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=30) as r:
             next(r.iter_lines())
@@ -207,15 +240,21 @@ def test_serving_the_real_target_with_the_shipped_drafter(real_target):
     engine = SpeculativeEngine(real_target, load_drafter(path, real_target), build_scheduler(real_target, path))
     from dspark.assets import eval_prompts
 
-    prompts = [[{"role": "user", "content": p}] for name in ("gsm8k", "mt-bench", "humaneval")
-               for p in eval_prompts(name, 11)][:32]
+    prompts = [
+        [{"role": "user", "content": p}] for name in ("gsm8k", "mt-bench", "humaneval") for p in eval_prompts(name, 11)
+    ][:32]
     expected = [plain_text(real_target, p, 8)[0] for p in prompts]
     with LiveServer(create_app(engine, real_target.tokenizer, ServeConfig("smollm2-135m-instruct"))) as server:
         client = server.client()
 
         def ask(messages):
-            return client.chat.completions.create(model="smollm2-135m-instruct", messages=messages, max_tokens=8,
-                                                  temperature=0).choices[0].message.content
+            return (
+                client.chat.completions.create(
+                    model="smollm2-135m-instruct", messages=messages, max_tokens=8, temperature=0
+                )
+                .choices[0]
+                .message.content
+            )
 
         with ThreadPoolExecutor(32) as pool:
             assert list(pool.map(ask, prompts)) == expected  # 32 at once, each what it gets alone
@@ -231,7 +270,8 @@ def test_shutdown_lets_in_flight_requests_finish(tiny):
 
     def ask():
         result["answer"] = client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": words(4)}], max_tokens=40, temperature=0)
+            model="tiny", messages=[{"role": "user", "content": words(4)}], max_tokens=40, temperature=0
+        )
 
     worker = threading.Thread(target=ask)
     worker.start()
@@ -252,15 +292,32 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     from dspark.scheduling.profile import CostTable
 
     target, drafter = tiny
-    monkeypatch.setattr("dspark.scheduling.planner.cached_cost_table", lambda _t: CostTable([1, 8], [10.0, 12.0]))
+    monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t: CostTable([1, 8], [10.0, 12.0]))
     drafter.save(tmp_path / "drafter", target.identity())
-    rows = bench_serve.run_serve_bench(target, drafter, tmp_path / "drafter", [words(3), words(5, start=9)], [1, 2], 6,
-                                       2, progress=lambda _: None)
-    assert {r["policy"] for r in rows} == {"plain", "fixed 1", "fixed 3", "fixed 7", "threshold 0.5", "algorithm1",
-                                           "production"}
+    rows = bench_serve.run_serve_bench(
+        target, drafter, tmp_path / "drafter", [words(3), words(5, start=9)], [1, 2], 6, 2, progress=lambda _: None
+    )
+    assert {r["policy"] for r in rows} == {
+        "plain",
+        "fixed 1",
+        "fixed 3",
+        "fixed 7",
+        "threshold 0.5",
+        "algorithm1",
+        "production",
+    }
     assert all(r["tokens"] > 0 and r["aggregate_tps"] > 0 and r["requests"] == 2 for r in rows)
-    run = {"rows": rows, "machine": machine_info(), "when": "now", "model": "tiny", "dtype": "float32",
-           "drafter": "tiny", "datasets": ["x"], "max_tokens": 6, "requests_per_level": 2}
+    run = {
+        "rows": rows,
+        "machine": machine_info(),
+        "when": "now",
+        "model": "tiny",
+        "dtype": "float32",
+        "drafter": "tiny",
+        "datasets": ["x"],
+        "max_tokens": 6,
+        "requests_per_level": 2,
+    }
     text = serve_section(run, "dspark bench-serve", "serve.png")
     assert "| algorithm1 | 2 |" in text and "best baseline" in text
     assert serve_plot(rows, tmp_path / "serve.png").stat().st_size > 1000
@@ -276,8 +333,9 @@ def test_stop_strings_cut_the_text_and_streamed_usage_is_exact(tiny):
         client = server.client()
         cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stop=[stop])
         assert cut.choices[0].message.content == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
-        chunks = list(client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0,
-                                                stream=True))
+        chunks = list(
+            client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0, stream=True)
+        )
         whole = client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0)
         assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
@@ -300,8 +358,11 @@ def test_a_failing_request_takes_nothing_else_down(tiny):
     expected, _ = plain_text(target, messages, 12)
     with LiveServer(app) as server:
         client = server.client()
-        bad = httpx.post(server.url + "/v1/chat/completions", timeout=30, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "t49 t50"}], "max_tokens": 4})
+        bad = httpx.post(
+            server.url + "/v1/chat/completions",
+            timeout=30,
+            json={"model": "tiny", "messages": [{"role": "user", "content": "t49 t50"}], "max_tokens": 4},
+        )
         assert bad.status_code == 500 and "poisoned prompt" in bad.json()["error"]["message"]
         good = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
         assert good.choices[0].message.content == expected
@@ -317,31 +378,52 @@ def test_fields_are_validated_at_the_edge_with_openai_errors(tiny):
     app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, config)
     good = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 4}
     with LiveServer(app) as server:
+
         def post(body=None, raw=None, path="/v1/chat/completions"):
-            return httpx.post(server.url + path, headers={"Content-Type": "application/json"}, timeout=30,
-                              content=raw if raw is not None else json.dumps(body))
+            return httpx.post(
+                server.url + path,
+                headers={"Content-Type": "application/json"},
+                timeout=30,
+                content=raw if raw is not None else json.dumps(body),
+            )
 
         cases = [  # (response, status, words the message must hold, param)
             (post(dict(good, seed=2**64)), 400, "less than or equal", "seed"),
             (post(dict(good, seed=-1)), 400, "greater than or equal", "seed"),
             (post(dict(good, max_tokens=True)), 400, "valid integer", "max_tokens"),
             (post(dict(good, top_k=10**30)), 400, "less than or equal", "top_k"),
-            (post(dict(good, tools=[{"type": "function", "function": {"name": "f"}}])), 400, "'tools' is not supported",
-             "tools"),
+            (
+                post(dict(good, tools=[{"type": "function", "function": {"name": "f"}}])),
+                400,
+                "'tools' is not supported",
+                "tools",
+            ),
             (post(dict(good, response_format={"type": "json_object"})), 400, "not supported", "response_format"),
             (post(dict(good, frobnicate=1)), 400, "unrecognized request argument", "frobnicate"),
             (post(dict(good, presence_penalty=0.5)), 400, "not supported", "presence_penalty"),
             (post(dict(good, messages=[{"role": "tool", "content": "x"}])), 400, "", "messages.0.role"),
             (post(dict(good, top_logprobs=2)), 400, "needs logprobs", "top_logprobs"),
-            (post(dict(good, max_tokens=50, max_completion_tokens=100)), 400, "max_completion_tokens must be",
-             "max_completion_tokens"),
-            (post(raw='{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800 t5"}]}'), 400,
-             "not valid UTF-8", "messages"),
+            (
+                post(dict(good, max_tokens=50, max_completion_tokens=100)),
+                400,
+                "max_completion_tokens must be",
+                "max_completion_tokens",
+            ),
+            (
+                post(raw='{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800 t5"}]}'),
+                400,
+                "not valid UTF-8",
+                "messages",
+            ),
             (post(raw=b'{"model": "tiny", "messages": [{"role": "user", "content": "\xff\xfe"}]}'), 400, "", None),
             (post(raw="[" * 100_000 + "]" * 100_000), 400, "", None),
             (post(raw='{"model": "tiny", "messages": [}'), 400, "not valid JSON", None),
-            (post({"model": "tiny", "prompt": words(1000), "max_tokens": 60}, path="/v1/completions"), 400,
-             "context window", "prompt"),
+            (
+                post({"model": "tiny", "prompt": words(1000), "max_tokens": 60}, path="/v1/completions"),
+                400,
+                "context window",
+                "prompt",
+            ),
         ]
         for response, status, message, param in cases:
             assert response.status_code == status, response.text
@@ -352,8 +434,10 @@ def test_fields_are_validated_at_the_edge_with_openai_errors(tiny):
         assert both["usage"]["completion_tokens"] == 6 or both["choices"][0]["finish_reason"] == "stop"
         # a body shorter than its Content-Length is answered 408 once the body timeout passes
         with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 500\r\n\r\n{\"model\": ")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 500\r\n\r\n{"model": '
+            )
             started = time.monotonic()
             reply = sock.recv(4096).decode()
             assert reply.startswith("HTTP/1.1 408") and "request_timeout" in reply
@@ -382,8 +466,11 @@ def test_a_failure_inside_a_round_fails_only_its_request(tiny):
 
         def ask(messages):
             try:
-                return client.chat.completions.create(model="tiny", messages=messages, max_tokens=16,
-                                                      temperature=0).choices[0].message.content
+                return (
+                    client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+                    .choices[0]
+                    .message.content
+                )
             except openai.InternalServerError as e:
                 return e
 
@@ -402,8 +489,9 @@ def test_logprobs_come_from_the_target_through_the_openai_client(tiny):
     expected, count = plain_text(target, messages, 12)
     with LiveServer(app) as server:
         client = server.client()
-        reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
-                                               logprobs=True, top_logprobs=3)
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3
+        )
         entries = reply.choices[0].logprobs.content
         assert len(entries) == reply.usage.completion_tokens == count
         for e in entries:  # greedy: each token is the target's argmax, so it heads its own top list
@@ -418,9 +506,13 @@ def test_logprobs_come_from_the_target_through_the_openai_client(tiny):
         logp = torch.log_softmax(target.forward_sequences(full).logits[0, len(ids) - 1 : -1].float(), -1)
         direct = [logp[j, t].item() for j, t in enumerate(answer)]
         assert [e.logprob for e in entries] == pytest.approx(direct, abs=1e-4)
-        streamed = [c.choices[0].logprobs for c in client.chat.completions.create(
-            model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, stream=True)
-            if c.choices and c.choices[0].logprobs]
+        streamed = [
+            c.choices[0].logprobs
+            for c in client.chat.completions.create(
+                model="tiny", messages=messages, max_tokens=12, temperature=0, logprobs=True, stream=True
+            )
+            if c.choices and c.choices[0].logprobs
+        ]
         assert [e.logprob for c in streamed for e in c.content] == pytest.approx(direct, abs=1e-4)
         legacy = client.completions.create(model="tiny", prompt=words(6), max_tokens=5, temperature=0, logprobs=2)
         lp = legacy.choices[0].logprobs
@@ -439,11 +531,17 @@ class EndlessTarget(Target):
 def test_shutdown_ends_a_long_stream_within_the_drain_time(tiny):
     target, drafter = tiny
     endless = EndlessTarget(target.model, target.tokenizer, target.name, target.layer_ids)
-    app = create_app(SlowEngine(endless, drafter), target.tokenizer, ServeConfig("tiny", max_tokens_limit=1000,
-                                                                                 drain_seconds=1.0))
+    app = create_app(
+        SlowEngine(endless, drafter), target.tokenizer, ServeConfig("tiny", max_tokens_limit=1000, drain_seconds=1.0)
+    )
     server = LiveServer(app, drain_seconds=1.0).__enter__()
-    body = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 900,
-            "temperature": 0.8, "stream": True}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": words(4)}],
+        "max_tokens": 900,
+        "temperature": 0.8,
+        "stream": True,
+    }
     lines = []
     with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
         events = r.iter_lines()

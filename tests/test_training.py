@@ -19,8 +19,14 @@ from safetensors.torch import load_file
 from conftest import tiny_target
 from dspark.errors import DSparkError
 from dspark.training import regenerate as regen_mod
-from dspark.training.anchors import (answer_spans, block_supervision, decoding_rounds, position_weights, sample_anchors,
-                                     visited_anchors)
+from dspark.training.anchors import (
+    answer_spans,
+    block_supervision,
+    decoding_rounds,
+    position_weights,
+    sample_anchors,
+    visited_anchors,
+)
 from dspark.training.data import examples_from_record, read_records
 from dspark.training.loss import LossWeights, TargetDist, dspark_loss, l1_distance
 
@@ -87,7 +93,7 @@ def test_each_loss_term_by_hand():
     c_star = [1 - l / 2 for l in l1]
     sig = [0.5, 1 / (1 + math.exp(-2))]
     bce = [-(c * math.log(s) + (1 - c) * math.log(1 - s)) for c, s in zip(c_star, sig)]
-    mean = lambda xs: sum(x * float(wi) for x, wi in zip(xs, w)) / float(w.sum())  # noqa: E731
+    mean = lambda xs: sum(x * float(wi) for x, wi in zip(xs, w)) / float(w.sum())
     assert m["ce"] == pytest.approx(mean(ce), rel=1e-5)
     assert m["tv"] == pytest.approx(mean(l1), rel=1e-5)
     assert m["conf"] == pytest.approx(mean(bce), rel=1e-5)
@@ -152,7 +158,7 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path, bad, message):
 
 
 def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets():
-    from dspark.cli import default_eval_dir
+    from dspark.cli.args import default_eval_dir
     from dspark.training.sources import MIX, _shingles, build_prompts, eval_shingles
 
     records, report = build_prompts(600, 0, default_eval_dir())
@@ -180,7 +186,7 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
 
 
 def test_code_tasks_come_from_libraries_too_with_their_docstrings_cut_to_summary_and_examples():
-    from dspark.cli import default_eval_dir
+    from dspark.cli.args import default_eval_dir
     from dspark.training.sources import LIBRARY_MODULES, _doc_digest, _documented_functions, build_prompts
 
     functions = _documented_functions(LIBRARY_MODULES, library=True)
@@ -209,7 +215,9 @@ def test_prompt_formats(tmp_path):
     assert [m["role"] for m in rows[0]["messages"]] == ["user", "user"]
     plain = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "c"}, {"prompt": "d"}])
     (tmp_path / "r.jsonl.gz").write_bytes(gzip.compress(plain.read_bytes()))
-    assert [r["messages"] for r in read_records(tmp_path / "r.jsonl.gz")] == [r["messages"] for r in read_records(plain)]
+    assert [r["messages"] for r in read_records(tmp_path / "r.jsonl.gz")] == [
+        r["messages"] for r in read_records(plain)
+    ]
     (tmp_path / "broken.jsonl.gz").write_bytes(b"not gzip")
     with pytest.raises(DSparkError, match="broken.jsonl.gz: cannot read it as gzipped"):
         read_records(tmp_path / "broken.jsonl.gz")
@@ -237,12 +245,29 @@ def test_prompts_exclude_what_an_earlier_set_answered(tmp_path, capsys):
     with gzip.open(answered, "wt") as f:  # a regenerated set holding half of them, under other ids
         for line in first.read_text().splitlines()[:150]:
             f.write(json.dumps(dict(json.loads(line), id="done-" + json.loads(line)["id"])) + "\n")
-    assert run_cli(capsys, "prompts", "--out", again, "--count", "300", "--seed", "5", "--mix", "assist=1",
-                   "--exclude", answered)[0] == 0
-    openings = lambda path: [r["messages"][0]["content"] for r in read_records(path)]  # noqa: E731
+    assert (
+        run_cli(
+            capsys,
+            "prompts",
+            "--out",
+            again,
+            "--count",
+            "300",
+            "--seed",
+            "5",
+            "--mix",
+            "assist=1",
+            "--exclude",
+            answered,
+        )[0]
+        == 0
+    )
+    openings = lambda path: [r["messages"][0]["content"] for r in read_records(path)]
     done = set(openings(first)[:150])
     assert openings(again) == [o for o in openings(first) if o not in done] and 0 < len(openings(again)) <= 150
-    assert json.loads(Path(str(again) + ".report.json").read_text())["excluded_already_answered"] == len(openings(first)) - len(openings(again))
+    assert json.loads(Path(str(again) + ".report.json").read_text())["excluded_already_answered"] == len(
+        openings(first)
+    ) - len(openings(again))
 
 
 # ---- regeneration -------------------------------------------------------------------------------------------------
@@ -318,10 +343,26 @@ def test_regeneration_time_limit_finishes_what_it_started_and_a_rerun_does_the_r
 def tiny_config(folder, data, out, **overrides):
     from dspark.training.trainer import TrainConfig
 
-    fields = dict(data=str(data), out=str(out), model=str(folder), target_dtype="float32", num_draft_layers=1,
-                  markov_rank=8, block_size=4, batch_size=4, num_anchors=16, lr=3e-3, eval_every=1000,
-                  save_every=5, holdout=0.1, bf16=False, max_steps=10, seed=3, target_layer_ids=[0, 2],
-                  mask_token_id=63)
+    fields = dict(
+        data=str(data),
+        out=str(out),
+        model=str(folder),
+        target_dtype="float32",
+        num_draft_layers=1,
+        markov_rank=8,
+        block_size=4,
+        batch_size=4,
+        num_anchors=16,
+        lr=3e-3,
+        eval_every=1000,
+        save_every=5,
+        holdout=0.1,
+        bf16=False,
+        max_steps=10,
+        seed=3,
+        target_layer_ids=[0, 2],
+        mask_token_id=63,
+    )
     fields.update(overrides)
     return TrainConfig(**fields)
 
@@ -329,7 +370,7 @@ def tiny_config(folder, data, out, **overrides):
 def test_training_precision_defaults_to_what_is_native_on_the_machine(monkeypatch):
     """Emulated bfloat16 made a training step 5.5x slower than float32 on an AVX2-only CPU: by default the target
     and the autocast use bfloat16 only on a GPU or a CPU with native bfloat16; what the user gives is kept."""
-    import dspark.scheduling.precision as precision
+    import dspark.autotune as precision
     from dspark.training.trainer import TrainConfig
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
@@ -372,8 +413,10 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert {k.split(".")[-2] for k in set(new) - set(old)} == {"q_norm", "k_norm"}
     assert all(torch.equal(new[k], torch.ones_like(new[k])) for k in set(new) - set(old))
 
-    train(tiny_config(folder, data, tmp_path / "qwen3", init_from=str(tmp_path / "family" / "checkpoint"),
-                      max_steps=2), progress=False)
+    train(
+        tiny_config(folder, data, tmp_path / "qwen3", init_from=str(tmp_path / "family" / "checkpoint"), max_steps=2),
+        progress=False,
+    )
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
@@ -400,21 +443,30 @@ def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned
     assert new_rows and not w2_wide[new_rows].any()
     # the wider head's logits on the old tokens are exactly the old ones
     h, prev = torch.randn(5, target.hidden_size), torch.randint(0, 64, (5,))
-    logits = lambda d: d.base_logits(h) + d.markov_head.step(prev, h, None)[0]  # noqa: E731
+    logits = lambda d: d.base_logits(h) + d.markov_head.step(prev, h, None)[0]
     old_rows = [rows[t] for t in narrow.d2t.tolist()]
     assert torch.allclose(logits(wide)[:, old_rows], logits(narrow), atol=1e-6)
 
     run = tmp_path / "wide"
-    cfg = tiny_config(folder, data, run, init_from=str(tmp_path / "narrow" / "checkpoint"), draft_vocab_size=40,
-                      max_steps=6, save_every=3)
+    cfg = tiny_config(
+        folder,
+        data,
+        run,
+        init_from=str(tmp_path / "narrow" / "checkpoint"),
+        draft_vocab_size=40,
+        max_steps=6,
+        save_every=3,
+    )
     train(cfg, progress=False)
     trained = load_drafter(run / "checkpoint", target)
     assert trained.draft_vocab_size == 40 and set(narrow.d2t.tolist()) <= set(trained.d2t.tolist())
     train(resumed_config(run, {"max_steps": 8}), resume=True, progress=False)  # what `train --resume` does
     assert load_drafter(run / "checkpoint", target).draft_vocab_size == 40
     with pytest.raises(DSparkError, match="can only grow"):
-        train(tiny_config(folder, data, tmp_path / "shrink", init_from=str(run / "checkpoint"), draft_vocab_size=16),
-              progress=False)
+        train(
+            tiny_config(folder, data, tmp_path / "shrink", init_from=str(run / "checkpoint"), draft_vocab_size=16),
+            progress=False,
+        )
 
 
 def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tiny_run, tmp_path):
@@ -432,8 +484,11 @@ def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tin
         run = tmp_path / f"scale{scale}"
         train(tiny_config(folder, data, run, copied_lr_scale=scale, max_steps=3, save_every=2), progress=False)
         if scale == 0.0:  # resume the last step from the step-2 checkpoint: still frozen
-            train(tiny_config(folder, data, run, copied_lr_scale=scale, max_steps=4, save_every=2), resume=True,
-                  progress=False)
+            train(
+                tiny_config(folder, data, run, copied_lr_scale=scale, max_steps=4, save_every=2),
+                resume=True,
+                progress=False,
+            )
         drafter = load_drafter(run / "checkpoint", target)
         layer = drafter.layers[0].state_dict()
         same = [torch.equal(layer[k], v) for k, v in top.items()] + [torch.equal(drafter.norm.weight, norm)]
@@ -473,8 +528,16 @@ def test_add_draft_layers_deepens_a_trained_drafter_from_exactly_where_it_was(ti
     torch.testing.assert_close(proposals[0].confidence_logits, proposals[1].confidence_logits)
 
     run = tmp_path / "deep"
-    cfg = tiny_config(folder, data, run, init_from=str(tmp_path / "a" / "checkpoint"), add_draft_layers=1,
-                      copied_lr_scale=0.0, max_steps=3, save_every=2)
+    cfg = tiny_config(
+        folder,
+        data,
+        run,
+        init_from=str(tmp_path / "a" / "checkpoint"),
+        add_draft_layers=1,
+        copied_lr_scale=0.0,
+        max_steps=3,
+        save_every=2,
+    )
     train(cfg, progress=False)
     train(resumed_config(run, {"max_steps": 4}), resume=True, progress=False)
     trained = load_drafter(run / "checkpoint", target)
@@ -491,7 +554,6 @@ def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exp
     """Run folders do not outlive a machine, but a drafter continued with --init-from carries every earlier leg in
     its config, so its total training compute is known wherever it is measured."""
     from conftest import run_cli
-
     from dspark.drafter import read_checkpoint_meta, training_totals
     from dspark.training.trainer import train
 
@@ -500,10 +562,15 @@ def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exp
     first = read_checkpoint_meta(tmp_path / "a" / "checkpoint")
     assert first["lineage"] == [] and first["progress"]["device"].startswith("cpu: ")
     assert first["progress"]["core_seconds"] >= first["progress"]["seconds"] > 0
-    train(tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=3),
-          progress=False)
-    train(tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=4),
-          resume=True, progress=False)
+    train(
+        tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=3),
+        progress=False,
+    )
+    train(
+        tiny_config(folder, data, tmp_path / "b", init_from=str(tmp_path / "a" / "checkpoint"), max_steps=4),
+        resume=True,
+        progress=False,
+    )
     code, err = run_cli(capsys, "export", tmp_path / "b" / "checkpoint", tmp_path / "shipped", "--model", folder)
     assert code == 0, err
     meta = read_checkpoint_meta(tmp_path / "shipped")
@@ -511,7 +578,9 @@ def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exp
     totals = training_totals(meta)
     assert totals["legs"] == 2 and totals["steps"] == 2 + 4
     assert totals["tokens"] == first["progress"]["tokens"] + meta["progress"]["tokens"]
-    assert totals["core_hours"] == round((first["progress"]["core_seconds"] + meta["progress"]["core_seconds"]) / 3600, 2)
+    assert totals["core_hours"] == round(
+        (first["progress"]["core_seconds"] + meta["progress"]["core_seconds"]) / 3600, 2
+    )
     assert totals["gpu_hours"] == 0 and totals["last_leg"]["run"] == str(tmp_path / "b")
 
 
@@ -593,8 +662,7 @@ def test_max_minutes_fits_again_once_the_warm_up_steps_are_past(tiny_run, tmp_pa
     monkeypatch.setattr(trainer_mod, "time", types.SimpleNamespace(perf_counter=lambda: clock["t"]))
     monkeypatch.setattr(trainer_mod, "lr_at", timed_lr_at)
     folder, data = tiny_run
-    trainer_mod.train(tiny_config(folder, data, tmp_path / "run", max_steps=1000, max_minutes=1.0),
-                      progress=False)
+    trainer_mod.train(tiny_config(folder, data, tmp_path / "run", max_steps=1000, max_minutes=1.0), progress=False)
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1]["step"] == 180 and steps[-1]["seconds"] == 60.0
 
@@ -627,7 +695,7 @@ def test_resumed_run_takes_appended_data_and_extends_its_feature_cache(tiny_run,
     assert steps == list(range(1, 9))
     cached = CachedFeatures(cache)
     cached.check(examples, target.identity())
-    appended = examples[len(before):][:2]
+    appended = examples[len(before) :][:2]
     a, b = cached(appended), OnlineFeatures(target, 8)(appended)
     # equal up to bfloat16 rounding (the cache ran them in another batch); another example's features are far off
     torch.testing.assert_close(a.features.float(), b.features.float(), rtol=1e-2, atol=0.05)
@@ -652,9 +720,19 @@ def test_periodic_real_decoding_evaluation_logs_what_the_engine_measures(tiny_ru
     for name, words in (("alpha", "t5 t9 t30"), ("beta", "t7 t8 t40 t41")):
         sets.append(tmp_path / f"{name}.jsonl")
         sets[-1].write_text("".join(json.dumps({"turns": [f"{words} t{11 + i}"]}) + "\n" for i in range(3)))
-    train(tiny_config(folder, data, tmp_path / "run", max_steps=4, decode_eval_every=2,
-                      decode_eval_sets=[str(p) for p in sets], decode_eval_prompts=2, decode_eval_tokens=10),
-          progress=False)
+    train(
+        tiny_config(
+            folder,
+            data,
+            tmp_path / "run",
+            max_steps=4,
+            decode_eval_every=2,
+            decode_eval_sets=[str(p) for p in sets],
+            decode_eval_prompts=2,
+            decode_eval_tokens=10,
+        ),
+        progress=False,
+    )
     logs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logs if "decode_tau" in r] == [2, 4]
     logged = logs[-1]["decode_tau"]
@@ -702,7 +780,9 @@ def test_evaluation_slice_reaches_every_file_of_a_concatenated_mix():
     from dspark.training.data import Example, spread_slice
 
     # Three files one after another, as `zcat data/*regen*.jsonl.gz` makes them; the last is the smallest.
-    held = [Example([1, 2], [0, 1], source=s) for s, n in (("chat", 40), ("code", 40), ("assist", 20)) for _ in range(n)]
+    held = [
+        Example([1, 2], [0, 1], source=s) for s, n in (("chat", 40), ("code", 40), ("assist", 20)) for _ in range(n)
+    ]
     chosen = spread_slice(held, 64)
     assert len(chosen) == 64 and len({id(e) for e in chosen}) == 64
     assert {e.source for e in chosen} == {"chat", "code", "assist"}  # a head slice held_out[:64] sees chat and code
@@ -752,11 +832,17 @@ def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, t
 
     folder, data = tiny_run
     online = train(tiny_config(folder, data, tmp_path / "online", max_steps=3, target_topk=8), progress=False)
-    cached = train(tiny_config(folder, data, tmp_path / "cached", max_steps=3, target_topk=8,
-                               feature_cache=str(tmp_path / "cache")), progress=False)
+    cached = train(
+        tiny_config(
+            folder, data, tmp_path / "cached", max_steps=3, target_topk=8, feature_cache=str(tmp_path / "cache")
+        ),
+        progress=False,
+    )
     assert (tmp_path / "cache" / "index.json").exists()
     assert cached["tv"] == pytest.approx(online["tv"], rel=1e-3)
-    train(tiny_config(folder, data, tmp_path / "dflash", max_steps=3, preset="dflash", markov_rank=None), progress=False)
+    train(
+        tiny_config(folder, data, tmp_path / "dflash", max_steps=3, preset="dflash", markov_rank=None), progress=False
+    )
     d = load_drafter(tmp_path / "dflash" / "checkpoint", Target.load(str(folder)))
     assert d.markov_head is None and d.confidence_head is None
 
@@ -769,25 +855,70 @@ def test_torchrun_two_processes_equal_one_process_with_accumulation(tiny_run, tm
 
     folder, data = tiny_run
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29517", "-m", "dspark.cli",
-           "train", "--data", str(data), "--out", str(out), "--model", str(folder), "--target-dtype", "float32",
-           "--num-draft-layers", "1", "--markov-rank", "8", "--block-size", "4", "--batch-size", "2", "--max-steps", "4",
-           "--save-every", "2", "--target-layer-ids", "0,2", "--mask-token-id", "63", "--no-bf16", "--quiet",
-           "--threads", "1", "--num-anchors", "16", "--lr", "3e-3", "--seed", "3", "--holdout", "0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_port=29517",
+        "-m",
+        "dspark.cli",
+        "train",
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--model",
+        str(folder),
+        "--target-dtype",
+        "float32",
+        "--num-draft-layers",
+        "1",
+        "--markov-rank",
+        "8",
+        "--block-size",
+        "4",
+        "--batch-size",
+        "2",
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--target-layer-ids",
+        "0,2",
+        "--mask-token-id",
+        "63",
+        "--no-bf16",
+        "--quiet",
+        "--threads",
+        "1",
+        "--num-anchors",
+        "16",
+        "--lr",
+        "3e-3",
+        "--seed",
+        "3",
+        "--holdout",
+        "0.1",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     state = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
     assert state["loop"]["step"] == 4
-    train(tiny_config(folder, data, tmp_path / "single", max_steps=4, save_every=2, batch_size=2, grad_accum=2),
-          progress=False)
+    train(
+        tiny_config(folder, data, tmp_path / "single", max_steps=4, save_every=2, batch_size=2, grad_accum=2),
+        progress=False,
+    )
     a = load_file(str(out / "checkpoint" / "model.safetensors"))
     b = load_file(str(tmp_path / "single" / "checkpoint" / "model.safetensors"))
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
-    assert state["loop"]["tokens"] == json.loads((tmp_path / "single" / "checkpoint" / "trainer_state.json")
-                                                 .read_text())["loop"]["tokens"]
+    assert (
+        state["loop"]["tokens"]
+        == json.loads((tmp_path / "single" / "checkpoint" / "trainer_state.json").read_text())["loop"]["tokens"]
+    )
 
 
 def test_a_base_model_without_chat_template_regenerates_and_trains(tiny_run, tmp_path):
@@ -812,7 +943,9 @@ def test_a_base_model_without_chat_template_regenerates_and_trains(tiny_run, tmp
     (base / "tokenizer_config.json").write_text(json.dumps(config))
     target = Target.load(str(base))
     assert not target.tokenizer.chat_template
-    prompts = [{"id": f"b{i}", "messages": [{"role": "user", "content": f"t{5 + i} t{9 + i} t{20 + i}"}]} for i in range(12)]
+    prompts = [
+        {"id": f"b{i}", "messages": [{"role": "user", "content": f"t{5 + i} t{9 + i} t{20 + i}"}]} for i in range(12)
+    ]
     data = tmp_path / "regen.jsonl"
     regenerate(target, prompts, data, max_new_tokens=12, batch_size=4, progress=False)
     record = read_records(data)[0]
@@ -833,8 +966,12 @@ def test_bigram_init_puts_the_datas_bigrams_into_the_markov_head(target):
     drafter = tiny_drafter(target, markov_rank=8, draft_vocab_size=6)
     drafter.set_draft_vocab(torch.tensor([10, 11, 12, 13, 14, 15]))
     # answers: 10 -> 11 three times, 10 -> 12 once, 11 -> 13 twice; 50 -> 10 crosses from the prompt: not counted
-    examples = [Example([50, 10, 11, 13], [0, 1, 1, 1]), Example([50, 10, 11, 13], [0, 1, 1, 1]),
-                Example([50, 10, 11], [0, 1, 1]), Example([50, 10, 12], [0, 1, 1])]
+    examples = [
+        Example([50, 10, 11, 13], [0, 1, 1, 1]),
+        Example([50, 10, 11, 13], [0, 1, 1, 1]),
+        Example([50, 10, 11], [0, 1, 1]),
+        Example([50, 10, 12], [0, 1, 1]),
+    ]
     kept = init_markov_from_bigrams(drafter, examples, max_rows=2, smoothing=0.5)
     assert kept == pytest.approx(1.0, abs=1e-4)  # 2 rows, rank 8: nothing is lost
     bias = drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(torch.tensor([10, 11])))

@@ -10,13 +10,14 @@ batch is not ragged and carries one token, and the LM head runs only where the c
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from dspark.errors import DSparkError
-from dspark.kvcache import KVCache, causal_visibility
+from dspark.kvcache import GRANULE, KVCache, causal_visibility
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
@@ -59,8 +60,85 @@ def attention(q, keys, values, mask, scale: float, causal: bool = False, fold: b
         mask = None if mask is None else mask.expand(batch, 1, width, -1).repeat(1, 1, groups, 1)
         out = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(batch, heads, width, dim)  # the fused CUDA kernels may return another layout
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=groups > 1)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=groups > 1
+    )
+
+
+MIN_QUERIES = 4
+
+
+class QueryGroup(NamedTuple):
+    """Queries read with one key length: rows/cols select them (None: all), padded lists the query columns sent to
+    SDPA (at least MIN_QUERIES), mask is their visibility [b, 1, len(padded), end]."""
+
+    end: int
+    rows: torch.Tensor | None
+    cols: torch.Tensor | None
+    padded: torch.Tensor
+    mask: torch.Tensor
+    chosen: torch.Tensor | None
+
+
+def plan_buckets(positions: torch.Tensor) -> list[QueryGroup]:
+    """Batch-invariant attention, planned once per forward (the same for every layer): every query at position p
+    reads the keys of slots 0 .. round_up(p + 1) - 1, those past p masked.
+
+    SDPA's CPU kernel reduces a query's scores in an order set by the key length of the call (and runs another path
+    for fewer than MIN_QUERIES queries: measured, 1-3 queries differ from the same queries among 4 or more), not by
+    the other queries or rows in it. A 1-token step over p + 1 keys and the same query inside a verify over more
+    keys can differ in the last bit, which flips near-tie tokens. Here the key length depends on the query's own
+    position alone, so its output is the same alone, in any verify block and in any ragged batch. Queries are
+    grouped by that length (almost always one group per forward); a short group is padded with copies of its last
+    query."""
+    width = positions.shape[1]
+    ends = (positions + GRANULE) // GRANULE * GRANULE  # round_up(p + 1)
+    slots = torch.arange(int(ends.max()), device=positions.device)
+    groups = []
+    for end in ends.unique().tolist():
+        chosen = ends == end
+        if bool(chosen.all()):
+            rows = cols = None
+            cols_all = torch.arange(width, device=positions.device)
+            where, picked = positions, None
+        else:
+            rows = chosen.any(1).nonzero()[:, 0]
+            cols = chosen[rows].any(0).nonzero()[:, 0]
+            cols_all, where, picked = cols, positions[rows][:, cols], chosen[rows[:, None], cols[None, :]]
+        padded = torch.cat([cols_all, cols_all[-1:].expand(max(0, MIN_QUERIES - len(cols_all)))])
+        extra = where[:, -1:].expand(-1, len(padded) - where.shape[1])
+        mask = (slots[:end][None, None, :] <= torch.cat([where, extra], 1)[:, :, None])[:, None]
+        groups.append(QueryGroup(end, rows, cols, padded, mask, picked))
+    return groups
+
+
+def bucketed_attention(q, keys, values, groups: list[QueryGroup], scale: float) -> torch.Tensor:
+    """Attention of q [B, H, W, hd] over a row's whole cache (keys/values [B, Hkv, capacity, hd]), planned by
+    `plan_buckets`."""
+    batch, heads, width, dim = q.shape
+    gqa = heads > keys.shape[1]
+    if len(groups) == 1 and groups[0].rows is None:  # the usual case: every query reads the same keys
+        g = groups[0]
+        qp = q if len(g.padded) == width else q[:, :, g.padded]
+        out = F.scaled_dot_product_attention(
+            qp, keys[:, :, : g.end], values[:, :, : g.end], attn_mask=g.mask, scale=scale, enable_gqa=gqa
+        )
+        return out[:, :, :width]
+    out = q.new_empty(batch, width, heads, dim)
+    for g in groups:
+        rows = g.rows if g.rows is not None else torch.arange(batch, device=q.device)
+        cols = g.cols if g.cols is not None else torch.arange(width, device=q.device)
+        part = F.scaled_dot_product_attention(
+            q[rows][:, :, g.padded],
+            keys[rows, :, : g.end],
+            values[rows, :, : g.end],
+            attn_mask=g.mask,
+            scale=scale,
+            enable_gqa=gqa,
+        )[:, :, : len(cols)].transpose(1, 2)
+        grid = rows[:, None], cols[None, :]
+        out[grid] = part if g.chosen is None else torch.where(g.chosen[..., None, None], part, out[grid])
+    return out.transpose(1, 2)
 
 
 def softcapped_attention(q, keys, values, mask, scale: float, cap: float) -> torch.Tensor:
@@ -93,6 +171,23 @@ class PackedWeight:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
+# oneDNN's bfloat16 product reduces a K longer than this in an order that depends on how many rows the product has
+# (measured: K 1536 gave a row alone and the same row among 2-16 others different last bits for ~15 % of inputs; K up
+# to 768 never did). Longer matrices are multiplied in column blocks of at most this many, summed in float32.
+MAX_INVARIANT_K = 768
+
+
+class KSplitWeight:
+    """A bfloat16 matrix held as column blocks of at most MAX_INVARIANT_K (each a tensor or a PackedWeight), so its
+    product with a row is the same whatever other rows share the product. `dense` stays for everything else."""
+
+    def __init__(self, weight: torch.Tensor, packed: bool):
+        self.dense = weight
+        self.bounds = list(range(0, weight.shape[1], MAX_INVARIANT_K))
+        blocks = [weight[:, i : i + MAX_INVARIANT_K].contiguous() for i in self.bounds]
+        self.blocks = [PackedWeight(b) if packed else b for b in blocks]
+
+
 def packing_available(weight: torch.Tensor) -> bool:
     """Packed products exist for bfloat16 on a CPU torch built with oneDNN whose kernels run on this CPU."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16_runs()
@@ -117,18 +212,22 @@ def _onednn_bfloat16_runs() -> bool:
 FEW_ROWS = 16
 
 
-def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False
-           ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a float or an int8 weight; few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ."""
+def linear(
+    x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a float, packed, column-split or int8 weight; few_rows_transposed: 2..FEW_ROWS rows
+    as (W @ xᵀ)ᵀ. One kernel for every row count: a row's product does not depend on the rows beside it (a separate
+    one-row kernel, faster on some CPUs, would make a plain step round differently from a verify)."""
     rows = x.numel() // x.shape[-1]
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
     elif isinstance(weight, PackedWeight):
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), weight.packed, None, "none", [], "")
-    elif weight.dtype == torch.bfloat16 and rows == 1:
-        # One bfloat16 row (a plain decode step): the matrix-vector kernel streams the weight 1.4-1.7x faster than
-        # the matrix-matrix one on the CPUs measured (docs in BENCHMARKS.md, engine section).
-        out = torch.mv(weight, x.reshape(-1))
+    elif isinstance(weight, KSplitWeight):
+        flat = x.reshape(rows, -1)
+        ends = weight.bounds[1:] + [flat.shape[1]]
+        total = sum(linear(flat[:, a:b], block).float() for a, b, block in zip(weight.bounds, ends, weight.blocks))
+        out = total.to(x.dtype)
     elif few_rows_transposed and 2 <= rows <= FEW_ROWS:
         out = (weight @ x.reshape(rows, -1).T).T
     else:
@@ -168,7 +267,7 @@ class LeanDecoder:
         gemma = config.model_type in GEMMA_FAMILIES
         self.embed = decoder.embed_tokens.weight
         # Gemma scales the embedding by sqrt(d) (in the model's dtype) and norms by (1 + weight).
-        self.embed_scale = config.hidden_size ** 0.5 if gemma else None
+        self.embed_scale = config.hidden_size**0.5 if gemma else None
         self.norm = gemma_rms_norm if gemma else rms_norm
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
@@ -189,39 +288,60 @@ class LeanDecoder:
             gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
             # Gemma 2/3 norm the attention and MLP outputs too ("sandwich" norms); Gemma names its norms apart.
             pre_ffn = getattr(layer, "pre_feedforward_layernorm", None)
-            self.layers.append(dict(
-                qkv_w=qkv_w, qkv_b=qkv_b, o_w=a.o_proj.weight, o_b=a.o_proj.bias, gate_up=gate_up,
-                down=mlp.down_proj.weight, in_norm=layer.input_layernorm.weight,
-                post_norm=(pre_ffn if pre_ffn is not None else layer.post_attention_layernorm).weight,
-                attn_out_norm=layer.post_attention_layernorm.weight if pre_ffn is not None else None,
-                mlp_out_norm=getattr(getattr(layer, "post_feedforward_layernorm", None), "weight", None),
-                q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
-                k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
-            ))
-        self.few_rows_transposed = False  # both set by Target.choose_product_forms, which measures them
+            self.layers.append(
+                dict(
+                    qkv_w=qkv_w,
+                    qkv_b=qkv_b,
+                    o_w=a.o_proj.weight,
+                    o_b=a.o_proj.bias,
+                    gate_up=gate_up,
+                    down=mlp.down_proj.weight,
+                    in_norm=layer.input_layernorm.weight,
+                    post_norm=(pre_ffn if pre_ffn is not None else layer.post_attention_layernorm).weight,
+                    attn_out_norm=layer.post_attention_layernorm.weight if pre_ffn is not None else None,
+                    mlp_out_norm=getattr(getattr(layer, "post_feedforward_layernorm", None), "weight", None),
+                    q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+                    k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+                )
+            )
+        self.few_rows_transposed = False  # both set by the machine's tuning (dspark.autotune), which measures them
         self.packed = False
+        # bfloat16 on a CPU runs batch-invariant: a row's logits do not depend on how many rows or tokens share
+        # the forward, so speculative output equals plain output token for token (float32 has no such kernels here;
+        # its differences are a few ulps, and argmax flips from them are rare but possible).
+        self.batch_invariant = self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
+        if self.batch_invariant:
+            self.pack(False)
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matrix of every layer (the embedding lookup stays as it is). The HF model keeps
         its float weights: it stays the reference."""
         for p in self.layers:
             for name in ("qkv_w", "o_w", "gate_up", "down"):
-                p[name] = Int8Weight(p[name])
+                p[name] = Int8Weight(p[name].dense if isinstance(p[name], (PackedWeight, KSplitWeight)) else p[name])
 
     def pack(self, packed: bool) -> None:
-        """Every layer's matrices as PackedWeight (or back to the plain tensors)."""
+        """Every layer's matrices as PackedWeight (or back to the plain tensors); in batch-invariant mode, matrices
+        longer than MAX_INVARIANT_K as KSplitWeight."""
         self.packed = packed
         for p in self.layers:
             for name in ("qkv_w", "o_w", "gate_up", "down"):
-                dense = p[name].dense if isinstance(p[name], PackedWeight) else p[name]
-                p[name] = PackedWeight(dense) if packed else dense
+                p[name] = self.product_form(p[name], packed)
+
+    def product_form(self, weight, packed: bool):
+        dense = weight.dense if isinstance(weight, (PackedWeight, KSplitWeight)) else weight
+        if self.batch_invariant and dense.shape[1] > MAX_INVARIANT_K:
+            return KSplitWeight(dense, packed)
+        return PackedWeight(dense) if packed else dense
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
-        return KVCache(len(self.layers), batch_size, self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device,
-                       capacity)
+        return KVCache(
+            len(self.layers), batch_size, self.kv_heads, self.head_dim, self.embed.dtype, self.embed.device, capacity
+        )
 
-    def forward(self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor,
-                capture: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    def forward(
+        self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor, capture: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Append input_ids [B, W] (row b: its first num_new[b] real) to the cache. Returns the final normed hidden
         states [B, W, d] and the outputs of the `capture` layers."""
         batch, width = input_ids.shape
@@ -233,6 +353,9 @@ class LeanDecoder:
         # fused kernels (on CUDA, flash) instead of reading a [W, W] mask.
         causal = slots.start == 0 and width > 1 and not self.softcap
         full = None if (width == 1 and slots.start is not None) or causal else causal_visibility(positions, upto)
+        # Batch-invariant attention reads each row's cache up to its own bucket (not past `upto` rounded up).
+        bucketed = self.batch_invariant and not self.softcap and "sliding_attention" not in self.layer_types
+        groups = plan_buckets(positions) if bucketed else None
         masks = {"full_attention": full}
         if "sliding_attention" in self.layer_types:
             # A sliding layer sees the last `window` positions (itself included) of its own row.
@@ -241,8 +364,10 @@ class LeanDecoder:
         x = F.embedding(input_ids, self.embed)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
-        rope = {t: self.rotary(x, positions, t) if self.rope_per_type else self.rotary(x, positions)
-                for t in set(self.layer_types)}
+        rope = {
+            t: self.rotary(x, positions, t) if self.rope_per_type else self.rotary(x, positions)
+            for t in set(self.layer_types)
+        }
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         norm, eps = self.norm, self.eps
         project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed)
@@ -258,11 +383,12 @@ class LeanDecoder:
             q, k, v = (t.transpose(1, 2) for t in (q, k, v))
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
             cache.write(i, k, v, slots)
-            keys, values = cache.view(i, upto)
-            if self.softcap:
-                out = softcapped_attention(q, keys, values, mask, self.scaling, self.softcap)
+            if groups is not None:
+                out = bucketed_attention(q, cache.k[i], cache.v[i], groups, self.scaling)
+            elif self.softcap:
+                out = softcapped_attention(q, *cache.view(i, upto), mask, self.scaling, self.softcap)
             else:
-                out = attention(q, keys, values, mask, self.scaling, causal=causal and mask is None)
+                out = attention(q, *cache.view(i, upto), mask, self.scaling, causal=causal and mask is None)
             out = project(out.transpose(1, 2).reshape(batch, width, q_size), p["o_w"], p["o_b"])
             x = x + (out if p["attn_out_norm"] is None else norm(out, p["attn_out_norm"], eps))
             gate, up = project(norm(x, p["post_norm"], eps), p["gate_up"]).chunk(2, dim=-1)

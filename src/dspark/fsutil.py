@@ -82,7 +82,7 @@ def _dead_writers_tmp(path: Path) -> list[Path]:
     """Temporary folders of `atomic_dir(path)` whose writer was killed (its pid, in the name, is gone)."""
     stale = []
     for tmp in path.parent.glob(f".{path.name}.tmp-*"):
-        pid = tmp.name[len(f".{path.name}.tmp-"):].split("-")[0]
+        pid = tmp.name[len(f".{path.name}.tmp-") :].split("-")[0]
         if pid.isdigit() and not _alive(int(pid)):
             stale.append(tmp)
     return stale
@@ -120,13 +120,17 @@ def check_replaceable(out: str | Path, overwrite: bool, source: str | Path | Non
             raise DSparkError(f"{out} is inside the input folder {source}; write to a folder outside it")
     if out.is_dir() and any(out.iterdir()):
         if not overwrite:
-            raise DSparkError(f"{out} already exists and is not empty; choose a new folder or pass --overwrite to "
-                              "replace an earlier output of this command")
+            raise DSparkError(
+                f"{out} already exists and is not empty; choose a new folder or pass --overwrite to "
+                "replace an earlier output of this command"
+            )
         foreign = _files_not_ours(out)
         if foreign:
-            raise DSparkError(f"{out} holds files dspark did not write there ({foreign[0]}"
-                              f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); --overwrite only "
-                              "replaces an earlier output. Choose a new folder")
+            raise DSparkError(
+                f"{out} holds files dspark did not write there ({foreign[0]}"
+                f"{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); --overwrite only "
+                "replaces an earlier output. Choose a new folder"
+            )
     return check_output_dir(out, "output folder")
 
 
@@ -191,8 +195,9 @@ def read_json(path: str | Path, what: str, fix: str):
     try:
         return json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as e:
-        raise DSparkError(f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#x} at offset {e.start}); "
-                          f"{fix}") from e
+        raise DSparkError(
+            f"{what} {path} is not UTF-8 text (byte {e.object[e.start]:#x} at offset {e.start}); {fix}"
+        ) from e
     except json.JSONDecodeError as e:
         raise DSparkError(f"{what} {path} is not valid JSON ({e.msg} at line {e.lineno}); {fix}") from e
     except OSError as e:
@@ -209,8 +214,10 @@ def jsonl_lines(path: str | Path) -> list[tuple[int, str]]:
         raw = gzip.decompress(path.read_bytes()) if gz else path.read_bytes()
         text = raw.decode("utf-8")
     except (OSError, EOFError, gzip.BadGzipFile) as e:
-        raise DSparkError(f"{path}: cannot read it{' as gzipped UTF-8 text' if gz else ''} ({e}); data files are "
-                          "JSONL, .jsonl.gz or .txt") from e
+        raise DSparkError(
+            f"{path}: cannot read it{' as gzipped UTF-8 text' if gz else ''} ({e}); data files are "
+            "JSONL, .jsonl.gz or .txt"
+        ) from e
     except UnicodeDecodeError as e:
         line = raw[: e.start].count(b"\n") + 1
         raise DSparkError(f"{path}:{line}: not UTF-8 text (byte {raw[e.start]:#x}); save the file as UTF-8") from e

@@ -5,7 +5,8 @@ its new keys/values in place at each row's positions; rolling back only moves a 
 a rejected draft costs nothing to undo and the cache never holds a dead slot below a row's length. Rows of
 different lengths share the buffer: a query at position p sees slots 0..p of its own row, which is all a causal
 model needs, so stale slots past a row's length are never read. The buffer doubles when a forward would pass its
-end.
+end; its capacity is always a multiple of GRANULE, so that batch-invariant attention (decoder.bucketed_attention)
+can read every row up to the next multiple of GRANULE past a query.
 """
 
 from __future__ import annotations
@@ -13,6 +14,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+GRANULE = 64
+
+
+def round_up(n: int, granule: int = GRANULE) -> int:
+    return -(-n // granule) * granule
 
 
 class Slots(NamedTuple):
@@ -24,9 +31,17 @@ class Slots(NamedTuple):
 
 
 class KVCache:
-    def __init__(self, num_layers: int, batch_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", capacity: int = 0):
-        shape = (num_layers, batch_size, kv_heads, capacity, head_dim)
+    def __init__(
+        self,
+        num_layers: int,
+        batch_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+        capacity: int = 0,
+    ):
+        shape = (num_layers, batch_size, kv_heads, round_up(capacity), head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
@@ -43,7 +58,7 @@ class KVCache:
         """Make room for `width` more tokens in every row."""
         need = (int(self.lengths.max()) if self.batch_size else 0) + width
         if need > self.capacity:
-            room = max(need, 2 * self.capacity, 64)
+            room = max(round_up(need), 2 * self.capacity, GRANULE)
             grow = [*self.k.shape[:3], room - self.capacity, self.k.shape[4]]
             self.k = torch.cat([self.k, self.k.new_zeros(grow)], dim=3)
             self.v = torch.cat([self.v, self.v.new_zeros(grow)], dim=3)
@@ -97,7 +112,7 @@ class KVCache:
     def merge(self, other: KVCache) -> None:
         """Admit other's rows below ours (continuous batching); the smaller buffer is padded to the larger."""
         room = max(self.capacity, other.capacity)
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, room - t.shape[3]))  # noqa: E731
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, room - t.shape[3]))
         self.k = torch.cat([pad(self.k), pad(other.k)], dim=1)
         self.v = torch.cat([pad(self.v), pad(other.v)], dim=1)
         self.lengths = torch.cat([self.lengths, other.lengths])

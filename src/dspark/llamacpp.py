@@ -20,8 +20,10 @@ def import_llama_cpp():
 def require_llama_cpp():
     llama_cpp = import_llama_cpp()
     if llama_cpp is None:
-        raise DSparkError("this needs llama-cpp-python with its library: `pip install llama-cpp-python`, or the "
-                          "bindings over a llama.cpp you built, with LLAMA_CPP_LIB_PATH set (docs/formats.md)")
+        raise DSparkError(
+            "this needs llama-cpp-python with its library: `pip install llama-cpp-python`, or the "
+            "bindings over a llama.cpp you built, with LLAMA_CPP_LIB_PATH set (docs/formats.md)"
+        )
     return llama_cpp
 
 

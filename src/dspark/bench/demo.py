@@ -39,8 +39,18 @@ def run_demo(target, drafter, datasets=("humaneval", "gsm8k", "mt-bench"), per_s
             ids = target.encode_chat(prompt)
             plain = generate_plain(target, [ids], max_new_tokens)[0]
             spec = engine.generate([ids], max_new_tokens)[0]
-            decode = lambda r: target.tokenizer.decode(r.token_ids, skip_special_tokens=True)  # noqa: E731
-            rows.append(DemoRow(name, prompt, decode(plain), decode(spec), plain.token_ids == spec.token_ids,
-                                common_prefix(plain.token_ids, spec.token_ids), plain.tokens_per_s,
-                                spec.tokens_per_s, spec.stats.tau))
+            decode = lambda r: target.tokenizer.decode(r.token_ids, skip_special_tokens=True)
+            rows.append(
+                DemoRow(
+                    name,
+                    prompt,
+                    decode(plain),
+                    decode(spec),
+                    plain.token_ids == spec.token_ids,
+                    common_prefix(plain.token_ids, spec.token_ids),
+                    plain.tokens_per_s,
+                    spec.tokens_per_s,
+                    spec.stats.tau,
+                )
+            )
     return rows

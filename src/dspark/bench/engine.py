@@ -1,4 +1,4 @@
-"""`dspark bench-engine`: what one forward costs, against the machine's physical limit and against other engines.
+"""`dspark bench engine`: what one forward costs, against the machine's physical limit and against other engines.
 
 Side by side in one run, per precision: milliseconds per forward of n = 1..16 new tokens on a cached context for
 our decoder, the Hugging Face model it replaces, and llama.cpp running the GGUF file the model package ships (when
@@ -70,8 +70,11 @@ def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> di
     out = {}
     for n in counts:
         ids = context_ids[:, :n]
-        out[n] = median_ms(lambda: target.model(ids, cache=cache, use_cache=True, output_hidden_states=True),
-                           repeats, lambda: cache.crop(-n))
+        out[n] = median_ms(
+            lambda: target.model(ids, cache=cache, use_cache=True, output_hidden_states=True),
+            repeats,
+            lambda: cache.crop(-n),
+        )
     return out
 
 
@@ -106,8 +109,19 @@ def llama_generate(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[int
     return out["usage"]["completion_tokens"], time.perf_counter() - start
 
 
-def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens: int, counts=(1, 2, 4, 8, 16),
-                     context: int = 256, repeats: int = 7, bandwidth_gib: float = 0.5, progress=print) -> dict:
+def run_engine_bench(
+    model: str,
+    dtypes,
+    drafter_path,
+    datasets,
+    max_new_tokens: int,
+    counts=(1, 2, 4, 8, 16),
+    context: int = 256,
+    repeats: int = 7,
+    bandwidth_gib: float = 0.5,
+    progress=print,
+) -> dict:
+    from dspark.autotune import tune
     from dspark.drafter import load_drafter
     from dspark.scheduling.planner import build_scheduler
     from dspark.scheduling.profile import profile_target
@@ -120,16 +134,23 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
     if llm is not None:
         from dspark.llamacpp import require_llama_cpp
 
-        run["llama_cpp"] = {"version": require_llama_cpp().__version__, "file": Path(llm.model_path).name, "threads": threads}
+        run["llama_cpp"] = {
+            "version": require_llama_cpp().__version__,
+            "file": Path(llm.model_path).name,
+            "threads": threads,
+        }
     reference = {}  # float32 plain output per dataset: what every precision's plain output is compared with
     for dtype in dtypes:
         quantized = dtype == "int8"  # int8 weights, bfloat16 activations
-        target = Target.load(model, dtype="bfloat16" if quantized else dtype, quantize="int8" if quantized else None)
+        target = tune(
+            Target.load(model, dtype="bfloat16" if quantized else dtype, quantize="int8" if quantized else None)
+        )
         if not reference:
             exact = target if dtype == "float32" else Target.load(model, dtype="float32")
             for name in datasets:
-                reference[name] = generate_plain(exact, [exact.encode_chat(eval_prompts(name, 1)[0])],
-                                                 max_new_tokens)[0].token_ids
+                reference[name] = generate_plain(exact, [exact.encode_chat(eval_prompts(name, 1)[0])], max_new_tokens)[
+                    0
+                ].token_ids
             del exact
         context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
         ours = profile_target(target, counts, context, repeats)
@@ -149,14 +170,21 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
             rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
         bound = round(streamed_bytes(target) / (run["bandwidth_gbs"] * 1e9) * 1000, 2)
         for engine, times in rows.items():
-            run["forward"].append({"dtype": dtype if engine != "llama.cpp" else "Q4_1", "engine": engine,
-                                   "ms": {str(n): ms for n, ms in times.items()}})
+            run["forward"].append(
+                {
+                    "dtype": dtype if engine != "llama.cpp" else "Q4_1",
+                    "engine": engine,
+                    "ms": {str(n): ms for n, ms in times.items()},
+                }
+            )
             progress(f"{dtype} {engine}: {times}")
         run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
 
         drafter = load_drafter(drafter_path, target)
-        engines = {"dspark": SpeculativeEngine(target, drafter, FixedLength()),
-                   "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
+        engines = {
+            "dspark": SpeculativeEngine(target, drafter, FixedLength()),
+            "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path)),
+        }
         warm = target.encode_chat("Hi!")
         for e in engines.values():
             e.generate([warm], 4)
@@ -164,8 +192,12 @@ def run_engine_bench(model: str, dtypes, drafter_path, datasets, max_new_tokens:
         for name in datasets:
             ids = target.encode_chat(eval_prompts(name, 1)[0])
             plain = generate_plain(target, [ids], max_new_tokens)[0]
-            row = {"dtype": dtype, "dataset": name, "ours": round(plain.tokens_per_s, 2),
-                   "same as float32": common_prefix(plain.token_ids, reference[name])}
+            row = {
+                "dtype": dtype,
+                "dataset": name,
+                "ours": round(plain.tokens_per_s, 2),
+                "same as float32": common_prefix(plain.token_ids, reference[name]),
+            }
             if not quantized:
                 hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
                 row["hf"] = round(len(hf_tokens) / seconds, 2)

@@ -43,8 +43,10 @@ class LlamaRun:
 def check_tools(bin_dir: Path) -> None:
     missing = [t for t in TOOLS if not (bin_dir / t).is_file()]
     if missing:
-        raise DSparkError(f"{bin_dir} lacks {', '.join(missing)}; build them from the llama.cpp tree with cmake "
-                          "(docs/formats.md, 'Building llama.cpp') and pass the folder with --llama-bin")
+        raise DSparkError(
+            f"{bin_dir} lacks {', '.join(missing)}; build them from the llama.cpp tree with cmake "
+            "(docs/formats.md, 'Building llama.cpp') and pass the folder with --llama-bin"
+        )
 
 
 def _run(cmd: list[str], timeout: float) -> tuple[str, str]:
@@ -59,13 +61,35 @@ def _run(cmd: list[str], timeout: float) -> tuple[str, str]:
 
 
 def _common(target_gguf: Path, prompt: str, max_new_tokens: int, threads: int) -> list[str]:
-    return ["-m", str(target_gguf), "-p", prompt, "-n", str(max_new_tokens), "--temp", "0", "-t", str(threads),
-            "-c", "4096", "--seed", "0"]
+    return [
+        "-m",
+        str(target_gguf),
+        "-p",
+        prompt,
+        "-n",
+        str(max_new_tokens),
+        "--temp",
+        "0",
+        "-t",
+        str(threads),
+        "-c",
+        "4096",
+        "--seed",
+        "0",
+    ]
 
 
 def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int) -> LlamaRun:
-    out, err = _run([str(bin_dir / "llama-completion"), *_common(target_gguf, prompt, max_new_tokens, threads),
-                     "-no-cnv", "--no-display-prompt", "--simple-io"], timeout=600)
+    out, err = _run(
+        [
+            str(bin_dir / "llama-completion"),
+            *_common(target_gguf, prompt, max_new_tokens, threads),
+            "-no-cnv",
+            "--no-display-prompt",
+            "--simple-io",
+        ],
+        timeout=600,
+    )
     found = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
     if not found:
         raise DSparkError("llama-completion printed no 'eval time' line; is it a llama.cpp build of this version?")
@@ -73,16 +97,21 @@ def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: i
     return LlamaRun(out.rstrip().removesuffix("[end of text]"), runs, ms / 1000)
 
 
-def llama_speculative(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int,
-                      spec_args: list[str]) -> LlamaRun:
-    out, err = _run([str(bin_dir / "llama-speculative-simple"), *_common(target_gguf, prompt, max_new_tokens, threads),
-                     *spec_args], timeout=600)
+def llama_speculative(
+    bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: int, threads: int, spec_args: list[str]
+) -> LlamaRun:
+    out, err = _run(
+        [str(bin_dir / "llama-speculative-simple"), *_common(target_gguf, prompt, max_new_tokens, threads), *spec_args],
+        timeout=600,
+    )
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err)
     accepted = re.search(r"n_accept\s*=\s*(\d+)", err)
     if not decoded or not accepted:
-        raise DSparkError("llama-speculative-simple printed no 'decoded'/'n_accept' lines; is it a build of this version?")
+        raise DSparkError(
+            "llama-speculative-simple printed no 'decoded'/'n_accept' lines; is it a build of this version?"
+        )
     text = out.lstrip("\n")
-    text = text[len(prompt):] if text.startswith(prompt) else text  # it echoes the prompt first
+    text = text[len(prompt) :] if text.startswith(prompt) else text  # it echoes the prompt first
     return LlamaRun(text.rstrip("\n"), int(decoded.group(1)), float(decoded.group(2)), int(accepted.group(1)))
 
 
@@ -92,9 +121,20 @@ def same_text(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
-def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, target_ggufs: dict[str, Path],
-                        bin_dir: Path, datasets, prompts_per_set: int, max_new_tokens: int, p_min: float, threads: int,
-                        progress=print) -> dict:
+def run_llama_cpp_bench(
+    target,
+    drafter,
+    drafter_path: Path,
+    draft_gguf: Path,
+    target_ggufs: dict[str, Path],
+    bin_dir: Path,
+    datasets,
+    prompts_per_set: int,
+    max_new_tokens: int,
+    p_min: float,
+    threads: int,
+    progress=print,
+) -> dict:
     """Each prompt through llama.cpp (per weights in `target_ggufs`: plain, n-gram, our draft at a fixed length and
     at a confidence threshold) and through our engine (plain, fixed length, scheduler). Row: runtime -> method ->
     {tok_s, tau, identical}; `identical` compares with the same runtime's plain output, and llama.cpp's plain output
@@ -107,18 +147,23 @@ def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, t
 
     check_tools(bin_dir)
     out, err = _run([str(bin_dir / "llama-completion"), "--version"], timeout=60)
-    version = next((line.split("version:")[1].strip() for line in (out + err).splitlines() if "version:" in line),
-                   "unknown")
+    version = next(
+        (line.split("version:")[1].strip() for line in (out + err).splitlines() if "version:" in line), "unknown"
+    )
     gamma = drafter.block_size
-    engines = {"dspark": SpeculativeEngine(target, drafter, FixedLength()),
-               "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path))}
+    engines = {
+        "dspark": SpeculativeEngine(target, drafter, FixedLength()),
+        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path)),
+    }
     warm = target.encode_chat("Hi!")
     for engine in engines.values():
         engine.generate([warm], 4)
     draft = ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma)]
-    llama_methods = {"ngram": ["--spec-type", "ngram-simple"],
-                     "dspark": [*draft, "--spec-draft-p-min", "0"],
-                     f"dspark p>={p_min}": [*draft, "--spec-draft-p-min", str(p_min)]}
+    llama_methods = {
+        "ngram": ["--spec-type", "ngram-simple"],
+        "dspark": [*draft, "--spec-draft-p-min", "0"],
+        f"dspark p>={p_min}": [*draft, "--spec-draft-p-min", str(p_min)],
+    }
     ours_name = f"ours {str(target.dtype).removeprefix('torch.')}"
     rows = []
     for name in datasets:
@@ -131,23 +176,48 @@ def run_llama_cpp_bench(target, drafter, drafter_path: Path, draft_gguf: Path, t
             runtimes = {ours_name: {"plain": {"tok_s": round(ours.tokens_per_s, 2)}}}
             for label, engine in engines.items():
                 result = engine.generate([ids], max_new_tokens)[0]
-                runtimes[ours_name][label] = {"tok_s": round(result.tokens_per_s, 2), "tau": round(result.stats.tau, 3),
-                                              "identical": result.token_ids == ours.token_ids}
+                runtimes[ours_name][label] = {
+                    "tok_s": round(result.tokens_per_s, 2),
+                    "tau": round(result.stats.tau, 3),
+                    "identical": result.token_ids == ours.token_ids,
+                }
             for weights, target_gguf in target_ggufs.items():
                 plain = llama_plain(bin_dir, target_gguf, prompt, max_new_tokens, threads)
-                methods = {"plain": {"tok_s": round(plain.tokens_per_s, 2),
-                                     "same_as_ours": same_text(plain.text, ours_text)}}
+                methods = {
+                    "plain": {"tok_s": round(plain.tokens_per_s, 2), "same_as_ours": same_text(plain.text, ours_text)}
+                }
                 for label, args in llama_methods.items():
                     run = llama_speculative(bin_dir, target_gguf, prompt, max_new_tokens, threads, args)
-                    methods[label] = {"tok_s": round(run.tokens_per_s, 2), "tau": round(run.tau, 3),
-                                      "identical": same_text(run.text, plain.text)}
+                    methods[label] = {
+                        "tok_s": round(run.tokens_per_s, 2),
+                        "tau": round(run.tau, 3),
+                        "identical": same_text(run.text, plain.text),
+                    }
                 runtimes[f"llama.cpp {weights}"] = methods
-            rows.append({"dataset": name, "prompt": i, "runtimes": runtimes,
-                         "seconds": round(time.perf_counter() - start, 1)})
-            progress(f"{name}[{i}] " + "  ".join(f"{r} {m}: {v['tok_s']}" + (f" τ{v['tau']}" if "tau" in v else "")
-                                                 for r, ms in runtimes.items() for m, v in ms.items()))
-    return {"rows": rows, "model": target.name, "dtype": str(target.dtype).removeprefix("torch."),
-            "drafter": str(drafter_path), "draft_gguf": str(draft_gguf),
-            "target_ggufs": {w: Path(p).name for w, p in target_ggufs.items()}, "llama_bin": str(bin_dir),
-            "llama_cpp_version": version, "threads": threads, "p_min": p_min, "max_new_tokens": max_new_tokens,
-            "prompts_per_set": prompts_per_set, "datasets": list(datasets), "gamma": gamma}
+            rows.append(
+                {"dataset": name, "prompt": i, "runtimes": runtimes, "seconds": round(time.perf_counter() - start, 1)}
+            )
+            progress(
+                f"{name}[{i}] "
+                + "  ".join(
+                    f"{r} {m}: {v['tok_s']}" + (f" τ{v['tau']}" if "tau" in v else "")
+                    for r, ms in runtimes.items()
+                    for m, v in ms.items()
+                )
+            )
+    return {
+        "rows": rows,
+        "model": target.name,
+        "dtype": str(target.dtype).removeprefix("torch."),
+        "drafter": str(drafter_path),
+        "draft_gguf": str(draft_gguf),
+        "target_ggufs": {w: Path(p).name for w, p in target_ggufs.items()},
+        "llama_bin": str(bin_dir),
+        "llama_cpp_version": version,
+        "threads": threads,
+        "p_min": p_min,
+        "max_new_tokens": max_new_tokens,
+        "prompts_per_set": prompts_per_set,
+        "datasets": list(datasets),
+        "gamma": gamma,
+    }

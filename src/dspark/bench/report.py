@@ -6,7 +6,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from dspark.fsutil import atomic_write_text, read_jsonl
+from dspark.fsutil import atomic_write_json, atomic_write_text, read_jsonl
 
 PEER_LABELS = {"plain": "dspark plain (reference)", "hf": "HF generate", "hf-lookup": "HF prompt lookup"}
 SPEED_GOAL_SETS = ("humaneval", "gsm8k", "mt-bench")
@@ -33,8 +33,11 @@ def merged_accept(rows) -> list[float | None]:
     width = max(len(r["accept_by_position"]) for r in rows)
     out = []
     for k in range(width):
-        pairs = [(r["accept_by_position"][k], r["rounds"]) for r in rows if k < len(r["accept_by_position"])
-                 and r["accept_by_position"][k] is not None]
+        pairs = [
+            (r["accept_by_position"][k], r["rounds"])
+            for r in rows
+            if k < len(r["accept_by_position"]) and r["accept_by_position"][k] is not None
+        ]
         out.append(sum(a * n for a, n in pairs) / sum(n for _, n in pairs) if pairs else None)
     return out
 
@@ -53,9 +56,11 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
             best_peer = max(peers, key=lambda r: r["tokens_per_s"])
             ratio = best_ours["tokens_per_s"] / best_peer["tokens_per_s"]
             verdict = "met" if ratio >= 1.5 else f"short by {(1.5 - ratio) / 1.5:.0%}"
-            lines.append(f"- {ds}: DSpark {best_ours['tokens_per_s']:.1f} tok/s ({best_ours['method']}, {best_ours['dtype']}) vs best peer "
-                         f"{PEER_LABELS[best_peer['method']]} {best_peer['tokens_per_s']:.1f} tok/s ({best_peer['dtype']}): "
-                         f"{ratio:.2f}x (goal 1.5x: {verdict})")
+            lines.append(
+                f"- {ds}: DSpark {best_ours['tokens_per_s']:.1f} tok/s ({best_ours['method']}, {best_ours['dtype']}) vs best peer "
+                f"{PEER_LABELS[best_peer['method']]} {best_peer['tokens_per_s']:.1f} tok/s ({best_peer['dtype']}): "
+                f"{ratio:.2f}x (goal 1.5x: {verdict})"
+            )
         for base, goal in (("dflash", 1.15), ("eagle3", 1.25)):
             if base not in drafter_labels:
                 continue
@@ -63,8 +68,10 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
             theirs = _mean([r.get("tau") for r in greedy if r["method"] == base])
             if ours and theirs:
                 ratio = ours / theirs
-                lines.append(f"- τ DSpark / {base} = {ours:.2f} / {theirs:.2f} = {ratio:.2f} (goal ≥ {goal}: "
-                             f"{'met' if ratio >= goal else 'not met'})")
+                lines.append(
+                    f"- τ DSpark / {base} = {ours:.2f} / {theirs:.2f} = {ratio:.2f} (goal ≥ {goal}: "
+                    f"{'met' if ratio >= goal else 'not met'})"
+                )
     return lines
 
 
@@ -73,59 +80,92 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
     datasets = cfg["datasets"]
     drafter_labels = list(dict.fromkeys([*run["drafters"], *(r["method"] for r in results if "tau" in r)]))
     out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", ""]
-    out.append(f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
-               f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
-               f"transformers {machine['transformers']}, dspark {machine['dspark']}. Batch 1, first turn of "
-               f"{cfg['prompts_per_set']} prompts per set, up to {cfg['max_new_tokens']} new tokens, γ from each drafter.")
+    out.append(
+        f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
+        f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
+        f"transformers {machine['transformers']}, dspark {machine['dspark']}. Batch 1, first turn of "
+        f"{cfg['prompts_per_set']} prompts per set, up to {cfg['max_new_tokens']} new tokens, γ from each drafter."
+    )
     out.append("")
     if run["drafters"]:
-        out += ["Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
-                "draft vocabulary is reduced; embedding and LM head are otherwise shared):", "",
-                "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | training legs | "
-                "train tokens | steps | CPU core-hours | GPU-hours |",
-                "| --- " * 13 + "|"]
+        out += [
+            "Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
+            "draft vocabulary is reduced; embedding and LM head are otherwise shared):",
+            "",
+            "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | training legs | "
+            "train tokens | steps | CPU core-hours | GPU-hours |",
+            "| --- " * 13 + "|",
+        ]
         for label, d in run["drafters"].items():
             t = d.get("training") or {}  # totals over every leg of the drafter's lineage
-            out.append(f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
-                       f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {t.get('legs') or '–'} | "
-                       f"{t.get('tokens') or '–'} | {t.get('steps') or '–'} | {t.get('core_hours') or '–'} | "
-                       f"{t.get('gpu_hours') or '–'} |")
+            out.append(
+                f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
+                f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {t.get('legs') or '–'} | "
+                f"{t.get('tokens') or '–'} | {t.get('steps') or '–'} | {t.get('core_hours') or '–'} | "
+                f"{t.get('gpu_hours') or '–'} |"
+            )
         out.append("")
     for (dtype, temp), rows in _by(results, "dtype", "temperature").items():
         mode = "greedy" if temp == 0 else f"temperature {temp}"
         out += [f"### {dtype}, {mode}", ""]
         methods = list(dict.fromkeys(r["method"] for r in rows))
         cell = {(r["method"], r["dataset"]): r for r in rows}
-        identical = ("identical to plain (float32: must be all)" if temp == 0
-                     else "identical to plain (sampling: not expected; the distribution is what matches)")
-        out.append("| method | " + " | ".join(f"{d} tok/s (× plain)" for d in datasets) + f" | τ per set | {identical} |")
+        identical = (
+            "identical to plain (float32: must be all)"
+            if temp == 0
+            else "identical to plain (sampling: not expected; the distribution is what matches)"
+        )
+        out.append(
+            "| method | " + " | ".join(f"{d} tok/s (× plain)" for d in datasets) + f" | τ per set | {identical} |"
+        )
         out.append("| --- " * (len(datasets) + 3) + "|")
         for m in methods:
-            cells = [f"{cell[(m, d)]['tokens_per_s']:.1f} ({cell[(m, d)]['speedup_vs_plain']:.2f}x)" if (m, d) in cell else "–"
-                     for d in datasets]
+            cells = [
+                f"{cell[(m, d)]['tokens_per_s']:.1f} ({cell[(m, d)]['speedup_vs_plain']:.2f}x)"
+                if (m, d) in cell
+                else "–"
+                for d in datasets
+            ]
             taus = " / ".join(_fmt(cell[(m, d)].get("tau")) for d in datasets if (m, d) in cell)
             same = sum(cell[(m, d)]["identical_to_plain"] for d in datasets if (m, d) in cell)
             total = sum(cell[(m, d)]["prompts"] for d in datasets if (m, d) in cell)
-            out.append(f"| {PEER_LABELS.get(m, m)} | " + " | ".join(cells) + f" | {taus if m in drafter_labels else '–'} | "
-                       f"{same}/{total} |")
+            out.append(
+                f"| {PEER_LABELS.get(m, m)} | " + " | ".join(cells) + f" | {taus if m in drafter_labels else '–'} | "
+                f"{same}/{total} |"
+            )
         out.append("")
         spec = [m for m in methods if m in drafter_labels]
         if spec:
             gamma = max(len(cell[(m, d)]["accept_by_position"]) for m in spec for d in datasets if (m, d) in cell)
-            out += ["Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round (draft = "
-                    "drafter proposal; verify = target forward + acceptance + rollback; context = drafter reading the "
-                    "accepted tokens' features; other = Python bookkeeping; prefill excluded):", "",
-                    "| drafter | " + " | ".join(f"k={k + 1}" for k in range(gamma)) + " | draft ms | verify ms | context ms | other ms |",
-                    "| --- " * (gamma + 5) + "|"]
+            out += [
+                "Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round (draft = "
+                "drafter proposal; verify = target forward + acceptance + rollback; context = drafter reading the "
+                "accepted tokens' features; other = Python bookkeeping; prefill excluded):",
+                "",
+                "| drafter | "
+                + " | ".join(f"k={k + 1}" for k in range(gamma))
+                + " | draft ms | verify ms | context ms | other ms |",
+                "| --- " * (gamma + 5) + "|",
+            ]
             for m in spec:
                 mrows = [cell[(m, d)] for d in datasets if (m, d) in cell]
                 acc = merged_accept(mrows) + [None] * gamma
-                prof = {k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "context", "other")}
-                out.append(f"| {m} | " + " | ".join(_fmt(a) for a in acc[:gamma]) + " | " +
-                           " | ".join(_fmt(prof[k], 1) for k in ("draft", "verify", "context", "other")) + " |")
+                prof = {
+                    k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "context", "other")
+                }
+                out.append(
+                    f"| {m} | "
+                    + " | ".join(_fmt(a) for a in acc[:gamma])
+                    + " | "
+                    + " | ".join(_fmt(prof[k], 1) for k in ("draft", "verify", "context", "other"))
+                    + " |"
+                )
             out.append("")
-        out += [f"Memory: target weights {run['target_weights_mb'][dtype]:.0f} MB; peak RSS of the whole process "
-                f"(target, every drafter, Python, caches) {max(r['peak_rss_mb'] for r in rows):.0f} MB.", ""]
+        out += [
+            f"Memory: target weights {run['target_weights_mb'][dtype]:.0f} MB; peak RSS of the whole process "
+            f"(target, every drafter, Python, caches) {max(r['peak_rss_mb'] for r in rows):.0f} MB.",
+            "",
+        ]
     g = goals(results, drafter_labels)
     if g:
         out += ["Goals (greedy, batch 1):", ""] + g + [""]
@@ -133,6 +173,34 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
         out.append(f"![{title}]({path})")
     out.append("")
     return "\n".join(out)
+
+
+def publish_run(run: dict, out: Path, name: str, plot, section, markdown: Path | None) -> list[Path]:
+    """Stamp a benchmark run (machine, time; `run["command"]` says how it was made), then write NAME.json, its
+    plots (plot() returns a path or a dict of them), NAME.md (the report: tables, plots, machine, command) into
+    `out`, and, where `markdown` is given, the same section into that file. Returns what was written."""
+    import os
+    import time
+
+    from dspark.bench.run import machine_info
+
+    run.update(machine=machine_info(), when=time.strftime("%Y-%m-%d %H:%M:%S %Z"))
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / f"{name}.json", run)
+    pngs = plot()
+
+    def relative(to: Path):
+        if isinstance(pngs, dict):
+            return {k: os.path.relpath(v, to) for k, v in pngs.items()}
+        return os.path.relpath(pngs, to)
+
+    report = out / f"{name}.md"
+    atomic_write_text(report, section(run, run["command"], relative(out)) + "\n")
+    written = [out / f"{name}.json", report]
+    if markdown is not None:
+        write_section(markdown, name, section(run, run["command"], relative(markdown.parent)))
+        written.append(markdown)
+    return written
 
 
 def write_section(markdown_path: Path, name: str, body: str) -> None:
@@ -147,10 +215,9 @@ def write_section(markdown_path: Path, name: str, body: str) -> None:
 
 def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
     """Acceptance by position, τ per dataset, speed-up per method: one PNG each (greedy, first dtype)."""
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     folder.mkdir(parents=True, exist_ok=True)
     results = run["results"]
@@ -166,15 +233,21 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
         for m in drafters:
             acc = merged_accept([r for r in rows if r["method"] == m])
             ax.plot(range(1, len(acc) + 1), [a if a is not None else float("nan") for a in acc], marker="o", label=m)
-        ax.set(xlabel="draft position k", ylabel="P(accept k | 1..k-1 accepted)", ylim=(0, 1),
-               title=f"Acceptance by position ({dtype}, {'greedy' if temp == 0 else f'T={temp}'})")
+        ax.set(
+            xlabel="draft position k",
+            ylabel="P(accept k | 1..k-1 accepted)",
+            ylim=(0, 1),
+            title=f"Acceptance by position ({dtype}, {'greedy' if temp == 0 else f'T={temp}'})",
+        )
         ax.legend()
         paths["acceptance by position"] = save_figure(fig, folder / f"{prefix}-acceptance.png")
 
         fig, ax = plt.subplots(figsize=(7, 4))
         width = 0.8 / len(drafters)
         for i, m in enumerate(drafters):
-            taus = [next((r.get("tau") or 0 for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets]
+            taus = [
+                next((r.get("tau") or 0 for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets
+            ]
             ax.bar([j + i * width for j in range(len(datasets))], taus, width, label=m)
         ax.set_xticks([j + width * (len(drafters) - 1) / 2 for j in range(len(datasets))], datasets)
         ax.set(ylabel="τ (accepted per round, bonus included)", title="τ per dataset")
@@ -185,7 +258,9 @@ def plots(run: dict, folder: Path, prefix: str) -> dict[str, Path]:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(1, len(methods))
     for i, m in enumerate(methods):
-        ups = [next((r["speedup_vs_plain"] for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets]
+        ups = [
+            next((r["speedup_vs_plain"] for r in rows if r["method"] == m and r["dataset"] == d), 0) for d in datasets
+        ]
         ax.bar([j + i * width for j in range(len(datasets))], ups, width, label=PEER_LABELS.get(m, m))
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([j + width * (len(methods) - 1) / 2 for j in range(len(datasets))], datasets)
@@ -208,17 +283,25 @@ def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
     """Held-out greedy τ against training seconds and tokens, one line per run (from each run's metrics.jsonl), and,
     where a run logged it (`--decode-eval-every`), τ of real decoding against tokens in a third panel."""
 
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     curves, decoded = {}, {}
     for label, folder in runs.items():
         rows = read_jsonl(Path(folder) / "metrics.jsonl")
-        curves[label] = [{"step": r["step"], "seconds": r["seconds"], "tokens": r["tokens"], "tau": r["tau_greedy"],
-                          "real_tau": r.get("decode_tau_all"), "rounds_tau": r.get("tau_rounds")}
-                         for r in rows if "tau_greedy" in r]
+        curves[label] = [
+            {
+                "step": r["step"],
+                "seconds": r["seconds"],
+                "tokens": r["tokens"],
+                "tau": r["tau_greedy"],
+                "real_tau": r.get("decode_tau_all"),
+                "rounds_tau": r.get("tau_rounds"),
+            }
+            for r in rows
+            if "tau_greedy" in r
+        ]
         decoded[label] = [(r["tokens"], r["decode_tau_all"]) for r in rows if "decode_tau_all" in r]
     panels = 3 if any(decoded.values()) else 2
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
@@ -226,13 +309,21 @@ def training_curves(runs: dict[str, Path], path: Path) -> dict[str, list[dict]]:
         axes[0].plot([p["seconds"] / 60 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
         axes[1].plot([p["tokens"] / 1e6 for p in pts], [p["tau"] for p in pts], marker=".", label=label)
         if panels == 3 and decoded[label]:
-            axes[2].plot([t / 1e6 for t, _ in decoded[label]], [tau for _, tau in decoded[label]], marker=".",
-                         label=label)
-    axes[0].set(xlabel="training wall time (minutes)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against time")
-    axes[1].set(xlabel="training tokens seen (millions)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against tokens")
+            axes[2].plot(
+                [t / 1e6 for t, _ in decoded[label]], [tau for _, tau in decoded[label]], marker=".", label=label
+            )
+    axes[0].set(
+        xlabel="training wall time (minutes)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against time"
+    )
+    axes[1].set(
+        xlabel="training tokens seen (millions)", ylabel="held-out τ (greedy, teacher-forced)", title="τ against tokens"
+    )
     if panels == 3:
-        axes[2].set(xlabel="training tokens seen (millions)", ylabel="τ of real greedy decoding (evaluation slice)",
-                    title="real decoding against tokens")
+        axes[2].set(
+            xlabel="training tokens seen (millions)",
+            ylabel="τ of real greedy decoding (evaluation slice)",
+            title="real decoding against tokens",
+        )
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
@@ -249,9 +340,15 @@ def curve_at(points: list[dict], key: str, value: float) -> float | None:
     return points[-1]["tau"] if points and abs(points[-1][key] - value) < 1e-9 else None
 
 
-def curves_table(curves: dict[str, list[dict]], reference: str, command: str, plot: str,
-                 tokens: float | None = None, seconds: float | None = None,
-                 title: str = "Training curves: drafters trained alike") -> str:
+def curves_table(
+    curves: dict[str, list[dict]],
+    reference: str,
+    command: str,
+    plot: str,
+    tokens: float | None = None,
+    seconds: float | None = None,
+    title: str = "Training curves: drafters trained alike",
+) -> str:
     """Markdown: every run's held-out τ at the same training tokens and at the same wall time (by default the
     furthest point all runs reached), beside the reference run's (the paper's 'trained alike' comparison)."""
     runs = {label: pts for label, pts in curves.items() if pts}
@@ -259,24 +356,36 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
     seconds = seconds or min(pts[-1]["seconds"] for pts in runs.values())
     at = {label: (curve_at(pts, "tokens", tokens), curve_at(pts, "seconds", seconds)) for label, pts in runs.items()}
     ref_tok, ref_sec = at[reference]
-    fmt = lambda x: "–" if x is None else f"{x:.3f}"  # noqa: E731
-    ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"  # noqa: E731
-    out = [f"## {title}", "", "Reproduce with:", "", "```bash", command, "```", "",
-           "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data",
-           "(along the rounds: at the anchors greedy decoding of those prompts visits, where the run logged it),",
-           f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
-           "evaluations; – where a run has no evaluation around that point).", "",
-           f"| run | steps | τ at {tokens / 1e3:.0f}k tokens | {reference} ÷ run | τ at {seconds / 60:.0f} min | "
-           f"{reference} ÷ run | final τ (step, minutes) | final τ along the rounds | last real-decoding τ (step) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fmt = lambda x: "–" if x is None else f"{x:.3f}"
+    ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"
+    out = [
+        f"## {title}",
+        "",
+        "Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data",
+        "(along the rounds: at the anchors greedy decoding of those prompts visits, where the run logged it),",
+        f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
+        "evaluations; – where a run has no evaluation around that point).",
+        "",
+        f"| run | steps | τ at {tokens / 1e3:.0f}k tokens | {reference} ÷ run | τ at {seconds / 60:.0f} min | "
+        f"{reference} ÷ run | final τ (step, minutes) | final τ along the rounds | last real-decoding τ (step) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for label, pts in runs.items():
         tok, sec = at[label]
         last = pts[-1]
         real = [p for p in pts if p.get("real_tau") is not None]  # runs with --decode-eval-every
         real_cell = f"{real[-1]['real_tau']:.3f} ({real[-1]['step']})" if real else "–"
-        out.append(f"| {label} | {last['step']} | {fmt(tok)} | {ratio(ref_tok, tok)} | {fmt(sec)} | {ratio(ref_sec, sec)} | "
-                   f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) | {fmt(last.get('rounds_tau'))} | "
-                   f"{real_cell} |")
+        out.append(
+            f"| {label} | {last['step']} | {fmt(tok)} | {ratio(ref_tok, tok)} | {fmt(sec)} | {ratio(ref_sec, sec)} | "
+            f"{last['tau']:.3f} ({last['step']}, {last['seconds'] / 60:.0f}) | {fmt(last.get('rounds_tau'))} | "
+            f"{real_cell} |"
+        )
     out += ["", f"![training curves]({plot})", ""]
     return "\n".join(out)
 
@@ -284,30 +393,54 @@ def curves_table(curves: dict[str, list[dict]], reference: str, command: str, pl
 def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> str:
     """The `engine` section of BENCHMARKS.md: forward cost per engine against the bandwidth bound, then decoding speed."""
     m = run["machine"]
-    out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
-           f"{', '.join(m['cpu_flags']) or 'n/a'}; torch {m['torch']}. Matrix-vector bandwidth measured here: "
-           f"{run['bandwidth_gbs']} GB/s; the bound is the weight bytes one step reads divided by it."]
+    out = [
+        f"## {name}",
+        "",
+        f"Run {run['when']}. Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
+        f"{', '.join(m['cpu_flags']) or 'n/a'}; torch {m['torch']}. Matrix-vector bandwidth measured here: "
+        f"{run['bandwidth_gbs']} GB/s; the bound is the weight bytes one step reads divided by it.",
+    ]
     if run["llama_cpp"]:
         lc = run["llama_cpp"]
-        out.append(f"llama.cpp: llama-cpp-python {lc['version']} built on this machine, {lc['file']} (4-bit weights, so "
-                   f"not the same arithmetic), {lc['threads']} threads, weight repacking off.")
+        out.append(
+            f"llama.cpp: llama-cpp-python {lc['version']} built on this machine, {lc['file']} (4-bit weights, so "
+            f"not the same arithmetic), {lc['threads']} threads, weight repacking off."
+        )
     counts = sorted({int(n) for r in run["forward"] for n in r["ms"]})
-    out += ["", "Milliseconds per forward of n new tokens on a 256-token cache (logits of every new token; ours and HF "
-            "also return the drafter's features):", "",
-            "| precision | engine | " + " | ".join(f"n={n}" for n in counts) + " | n=8 ÷ n=1 |",
-            "| --- " * (len(counts) + 3) + "|"]
+    out += [
+        "",
+        "Milliseconds per forward of n new tokens on a 256-token cache (logits of every new token; ours and HF "
+        "also return the drafter's features):",
+        "",
+        "| precision | engine | " + " | ".join(f"n={n}" for n in counts) + " | n=8 ÷ n=1 |",
+        "| --- " * (len(counts) + 3) + "|",
+    ]
     for r in run["forward"]:
         ms = r["ms"]
         ratio = f"{ms['8'] / ms['1']:.2f}" if "8" in ms and "1" in ms else "–"
-        out.append(f"| {r['dtype']} | {r['engine']} | " + " | ".join(_fmt(ms.get(str(n)), 1) for n in counts)
-                   + f" | {ratio} |")
-    engines = [k for k in dict.fromkeys(k for r in run["decode"] for k in r)
-               if k not in ("dtype", "dataset", "same as float32") and not k.endswith(("tau", "identical"))]
-    out += ["", "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
-            "scheduled; τ and whether its output is identical to our plain decoding in brackets; last column: tokens "
-            "our plain output shares with float32's before the first difference):", "",
-            "| precision | set | " + " | ".join(engines) + " | same as float32 |", "| --- " * (len(engines) + 3) + "|"]
+        out.append(
+            f"| {r['dtype']} | {r['engine']} | " + " | ".join(_fmt(ms.get(str(n)), 1) for n in counts) + f" | {ratio} |"
+        )
+    engines = [
+        k
+        for k in dict.fromkeys(k for r in run["decode"] for k in r)
+        if k not in ("dtype", "dataset", "same as float32") and not k.endswith(("tau", "identical"))
+    ]
+    out += [
+        "",
+        "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
+        "scheduled; τ and whether its output is identical to our plain decoding in brackets; last column: tokens "
+        "our plain output shares with float32's before the first difference):",
+        "",
+        "| precision | set | " + " | ".join(engines) + " | same as float32 |",
+        "| --- " * (len(engines) + 3) + "|",
+    ]
     for r in run["decode"]:
         cells = []
         for e in engines:
@@ -321,10 +454,9 @@ def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> 
 
 
 def engine_plot(run: dict, path: Path) -> Path:
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in run["forward"]:
@@ -335,8 +467,13 @@ def engine_plot(run: dict, path: Path) -> Path:
             continue
         xs = sorted(int(n) for n in r["ms"])
         ax.plot(xs, [r["ms"][str(n)] for n in xs], marker="o", label=label)
-    ax.set(xscale="log", xlabel="new tokens per forward", ylabel="ms per forward", ylim=(0, None),
-           title="What a verify costs: forward time against tokens")
+    ax.set(
+        xscale="log",
+        xlabel="new tokens per forward",
+        ylabel="ms per forward",
+        ylim=(0, None),
+        title="What a verify costs: forward time against tokens",
+    )
     ax.set_xticks([1, 2, 4, 8, 16], ["1", "2", "4", "8", "16"])
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
@@ -347,22 +484,42 @@ def engine_plot(run: dict, path: Path) -> Path:
 def serve_section(run: dict, command: str, plot: str) -> str:
     """The `serve` section: latency and throughput per policy and concurrency, the Pareto plot, the goals."""
     m, rows = run["machine"], run["rows"]
-    out = ["## serve", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; target "
-           f"{run['model']} in {run['dtype']}, drafter {run['drafter']}. Each level: `concurrency` openai clients on "
-           f"loopback, each streaming greedy requests back to back (at least {run['requests_per_level']} per level, "
-           f"up to {run['max_tokens']} new tokens, prompts from {', '.join(run['datasets'])}).", "",
-           "| policy | concurrency | requests | TTFT p50 (s) | latency p50 (s) | latency p95 (s) | per-user tok/s | "
-           "aggregate tok/s |", "| --- " * 8 + "|"]
+    out = [
+        "## serve",
+        "",
+        f"Run {run['when']}. Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; target "
+        f"{run['model']} in {run['dtype']}, drafter {run['drafter']}. Each level: `concurrency` openai clients on "
+        f"loopback, each streaming greedy requests back to back (at least {run['requests_per_level']} per level, "
+        f"up to {run['max_tokens']} new tokens, prompts from {', '.join(run['datasets'])}).",
+        "",
+        "| policy | concurrency | requests | TTFT p50 (s) | latency p50 (s) | latency p95 (s) | per-user tok/s | "
+        "aggregate tok/s |",
+        "| --- " * 8 + "|",
+    ]
     for r in rows:
-        out.append(f"| {r['policy']} | {r['concurrency']} | {r['requests']} | {r['ttft_p50']} | {r['latency_p50']} | "
-                   f"{r['latency_p95']} | {r['per_user_tps']} | {r['aggregate_tps']} |")
-    out += ["", "Throughput of each scheduler against the best of plain decoding and every fixed length, at each "
-            "concurrency (goal: at least 1.0 within noise):", "",
-            "| concurrency | best baseline | " + " | ".join(SCHEDULED) + " |", "| --- " * (2 + len(SCHEDULED)) + "|"]
+        out.append(
+            f"| {r['policy']} | {r['concurrency']} | {r['requests']} | {r['ttft_p50']} | {r['latency_p50']} | "
+            f"{r['latency_p95']} | {r['per_user_tps']} | {r['aggregate_tps']} |"
+        )
+    out += [
+        "",
+        "Throughput of each scheduler against the best of plain decoding and every fixed length, at each "
+        "concurrency (goal: at least 1.0 within noise):",
+        "",
+        "| concurrency | best baseline | " + " | ".join(SCHEDULED) + " |",
+        "| --- " * (2 + len(SCHEDULED)) + "|",
+    ]
     for c in sorted({r["concurrency"] for r in rows}):
         level = {r["policy"]: r for r in rows if r["concurrency"] == c}
-        base = max((r for p, r in level.items() if p == "plain" or p.startswith("fixed")), key=lambda r: r["aggregate_tps"])
+        base = max(
+            (r for p, r in level.items() if p == "plain" or p.startswith("fixed")), key=lambda r: r["aggregate_tps"]
+        )
         cells = [f"{level[p]['aggregate_tps'] / base['aggregate_tps']:.2f}x" if p in level else "–" for p in SCHEDULED]
         out.append(f"| {c} | {base['policy']} ({base['aggregate_tps']}) | " + " | ".join(cells) + " |")
     out += ["", f"![per-user speed against throughput]({plot})", ""]
@@ -373,21 +530,32 @@ SCHEDULED = ("algorithm1", "production")
 
 
 def serve_plot(rows: list[dict], path: Path) -> Path:
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(r["policy"] for r in rows):
         pts = sorted((r for r in rows if r["policy"] == policy), key=lambda r: r["concurrency"])
-        style = dict(linewidth=2.5) if policy in SCHEDULED else dict(linewidth=1, linestyle="--" if policy == "plain" else "-")
+        style = (
+            dict(linewidth=2.5)
+            if policy in SCHEDULED
+            else dict(linewidth=1, linestyle="--" if policy == "plain" else "-")
+        )
         ax.plot([p["aggregate_tps"] for p in pts], [p["per_user_tps"] for p in pts], marker="o", label=policy, **style)
         for p in pts:
-            ax.annotate(str(p["concurrency"]), (p["aggregate_tps"], p["per_user_tps"]), fontsize=6,
-                        textcoords="offset points", xytext=(2, 2))
-    ax.set(xlabel="aggregate tokens/s (throughput)", ylabel="per-user tokens/s",
-           title="Per-user speed against throughput (labels: concurrent streams)")
+            ax.annotate(
+                str(p["concurrency"]),
+                (p["aggregate_tps"], p["per_user_tps"]),
+                fontsize=6,
+                textcoords="offset points",
+                xytext=(2, 2),
+            )
+    ax.set(
+        xlabel="aggregate tokens/s (throughput)",
+        ylabel="per-user tokens/s",
+        title="Per-user speed against throughput (labels: concurrent streams)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -407,48 +575,81 @@ def llama_cpp_section(run: dict, command: str, plot: str) -> str:
     runtimes = list(rows[0]["runtimes"])
     llama = [r for r in runtimes if r.startswith("llama.cpp")]
     weights = ", ".join(f"{w}: `{f}`" for w, f in run["target_ggufs"].items())
-    out = ["## llama-cpp", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", "",
-           f"Machine: {m['cpu']}, {m['cores']} cores, {run['threads']} threads for llama.cpp, torch threads "
-           f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on the target's "
-           f"GGUF ({weights}; the float32 copy is the shipped file dequantized, the weights our float32 target uses), "
-           f"with our drafter exported by `dspark export --format gguf` (`--spec-type draft-dspark "
-           f"--spec-draft-n-max {run['gamma']}`; fixed length: `--spec-draft-p-min 0`); n-gram: `--spec-type "
-           f"ngram-simple`. Ours: {run['model']} in {run['dtype']}, drafter {run['drafter']}. Greedy, up to "
-           f"{run['max_new_tokens']} new tokens, {run['prompts_per_set']} prompt(s) per set.", ""]
+    out = [
+        "## llama-cpp",
+        "",
+        f"Run {run['when']}. Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Machine: {m['cpu']}, {m['cores']} cores, {run['threads']} threads for llama.cpp, torch threads "
+        f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on the target's "
+        f"GGUF ({weights}; the float32 copy is the shipped file dequantized, the weights our float32 target uses), "
+        f"with our drafter exported by `dspark export --format gguf` (`--spec-type draft-dspark "
+        f"--spec-draft-n-max {run['gamma']}`; fixed length: `--spec-draft-p-min 0`); n-gram: `--spec-type "
+        f"ngram-simple`. Ours: {run['model']} in {run['dtype']}, drafter {run['drafter']}. Greedy, up to "
+        f"{run['max_new_tokens']} new tokens, {run['prompts_per_set']} prompt(s) per set.",
+        "",
+    ]
     for runtime in runtimes:
         methods = list(rows[0]["runtimes"][runtime])
-        out += [f"{runtime}: tokens/s (τ = tokens per target verification)", "",
-                "| set | " + " | ".join(methods) + " | best speculative / plain |", "| --- " * (len(methods) + 2) + "|"]
+        out += [
+            f"{runtime}: tokens/s (τ = tokens per target verification)",
+            "",
+            "| set | " + " | ".join(methods) + " | best speculative / plain |",
+            "| --- " * (len(methods) + 2) + "|",
+        ]
         for name in [*run["datasets"], None]:
             cells = [_llama_cells(run, name, runtime, method) for method in methods]
             best = max(speed for speed, _ in cells[1:]) / cells[0][0]
-            out.append(f"| {name or '**all**'} | " + " | ".join(
-                _fmt(speed) + (f" (τ {_fmt(tau)})" if tau is not None else "") for speed, tau in cells)
-                + f" | {_fmt(best)}x |")
+            out.append(
+                f"| {name or '**all**'} | "
+                + " | ".join(_fmt(speed) + (f" (τ {_fmt(tau)})" if tau is not None else "") for speed, tau in cells)
+                + f" | {_fmt(best)}x |"
+            )
         out.append("")
     ours = next(r for r in runtimes if r.startswith("ours"))
-    out += ["Our drafter at a fixed draft length, τ in each runtime (the float32 llama.cpp run verifies with our "
-            "arithmetic, so its τ should match ours up to ties):", "",
-            "| set | " + " | ".join([ours, *llama]) + " |", "| --- " * (len(llama) + 2) + "|"]
+    out += [
+        "Our drafter at a fixed draft length, τ in each runtime (the float32 llama.cpp run verifies with our "
+        "arithmetic, so its τ should match ours up to ties):",
+        "",
+        "| set | " + " | ".join([ours, *llama]) + " |",
+        "| --- " * (len(llama) + 2) + "|",
+    ]
     for name in [*run["datasets"], None]:
-        out.append(f"| {name or '**all**'} | " + " | ".join(_fmt(_llama_cells(run, name, r, "dspark")[1])
-                                                          for r in [ours, *llama]) + " |")
-    same = {f"{r} {m}": all(row["runtimes"][r][m]["identical"] for row in rows)
-            for r in runtimes for m in rows[0]["runtimes"][r] if "identical" in rows[0]["runtimes"][r][m]}
+        out.append(
+            f"| {name or '**all**'} | "
+            + " | ".join(_fmt(_llama_cells(run, name, r, "dspark")[1]) for r in [ours, *llama])
+            + " |"
+        )
+    same = {
+        f"{r} {m}": all(row["runtimes"][r][m]["identical"] for row in rows)
+        for r in runtimes
+        for m in rows[0]["runtimes"][r]
+        if "identical" in rows[0]["runtimes"][r][m]
+    }
     agree = {r: sum(row["runtimes"][r]["plain"]["same_as_ours"] for row in rows) for r in llama}
-    out += ["", "Greedy output identical to the same runtime's plain decoding on every prompt: "
-            + ", ".join(f"{c}: {'yes' if ok else 'NO'}" for c, ok in same.items()) + ".",
-            "llama.cpp's plain output equal to ours: " + ", ".join(f"{r}: {n} of {len(rows)} prompts"
-                                                                     for r, n in agree.items()) + ".", "",
-            f"![tokens/s per method]({plot})", ""]
+    out += [
+        "",
+        "Greedy output identical to the same runtime's plain decoding on every prompt: "
+        + ", ".join(f"{c}: {'yes' if ok else 'NO'}" for c, ok in same.items())
+        + ".",
+        "llama.cpp's plain output equal to ours: "
+        + ", ".join(f"{r}: {n} of {len(rows)} prompts" for r, n in agree.items())
+        + ".",
+        "",
+        f"![tokens/s per method]({plot})",
+        "",
+    ]
     return "\n".join(out)
 
 
 def llama_cpp_plot(run: dict, path: Path) -> Path:
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     runtimes = list(run["rows"][0]["runtimes"])
     fig, axes = plt.subplots(1, len(runtimes), figsize=(4 * len(runtimes), 3.6), sharey=True, squeeze=False)

@@ -14,7 +14,6 @@ import platform
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import psutil
 import torch
@@ -22,9 +21,9 @@ import torch
 from dspark.assets import eval_prompts
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
-from dspark.sampling import SamplingParams
 from dspark.decoding.stats import SpecStats, merged
 from dspark.drafter.registry import read_checkpoint_meta, training_totals
+from dspark.sampling import SamplingParams
 
 PEERS = ("hf", "hf-lookup")
 
@@ -69,7 +68,7 @@ class PeakRSS:
 
 
 def machine_info() -> dict:
-    from dspark.scheduling.precision import cpu_flags, cpu_name
+    from dspark.autotune import cpu_flags, cpu_name
 
     cpu = cpu_name()
     flags = cpu_flags()
@@ -77,13 +76,18 @@ def machine_info() -> dict:
 
     import dspark
 
-
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx512_vnni")
     return {
-        "cpu": cpu, "cores": psutil.cpu_count(logical=True), "torch_threads": torch.get_num_threads(),
-        "cpu_flags": [f for f in wanted if f in flags], "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
-        "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-        "dspark": dspark.__version__, "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": psutil.cpu_count(logical=True),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_flags": [f for f in wanted if f in flags],
+        "memory_gb": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "dspark": dspark.__version__,
+        "platform": platform.platform(),
     }
 
 
@@ -95,16 +99,29 @@ def weights_mb(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
 
 def drafter_info(path: str, drafter) -> dict:
     if not hasattr(drafter, "config"):  # the n-gram proposer: tables, no weights
-        return {"weights_mb": 0.0, "draft_head_copy_mb": 0.0, "path": str(path), "architecture": "ngram",
-                "block_size": drafter.block_size, "num_draft_layers": 0, "markov_rank": 0, "params_millions": 0.0,
-                "training": None, "preset": None}
+        return {
+            "weights_mb": 0.0,
+            "draft_head_copy_mb": 0.0,
+            "path": str(path),
+            "architecture": "ngram",
+            "block_size": drafter.block_size,
+            "num_draft_layers": 0,
+            "markov_rank": 0,
+            "params_millions": 0.0,
+            "training": None,
+            "preset": None,
+        }
     meta = read_checkpoint_meta(path)
     own = weights_mb(drafter, skip=("embed_weight", "lm_head_weight"))
     lm_slice = 0.0 if drafter.d2t is None else round(drafter.lm_weight(drafter.fc.weight.dtype).numel() * 4 / 2**20, 1)
     return {
-        "weights_mb": own, "draft_head_copy_mb": lm_slice,
-        "path": str(path), "architecture": drafter.config.architecture, "block_size": drafter.block_size,
-        "num_draft_layers": drafter.config.num_draft_layers, "markov_rank": drafter.config.markov_rank,
+        "weights_mb": own,
+        "draft_head_copy_mb": lm_slice,
+        "path": str(path),
+        "architecture": drafter.config.architecture,
+        "block_size": drafter.block_size,
+        "num_draft_layers": drafter.config.num_draft_layers,
+        "markov_rank": drafter.config.markov_rank,
         "params_millions": round(sum(p.numel() for p in drafter.parameters()) / 1e6, 2),
         "training": training_totals(meta),  # every leg of its lineage, not only the last run
         "preset": meta.get("training", {}).get("preset"),
@@ -116,13 +133,15 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingP
     if sampling.greedy:
         kwargs.update(do_sample=False)
     else:
-        kwargs.update(do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        kwargs.update(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p
+        )
     if lookup:
         kwargs.update(prompt_lookup_num_tokens=lookup)
     start = time.perf_counter()
     with torch.no_grad():
         out = target.model.generate(torch.tensor([ids]), **kwargs)
-    return out[0, len(ids):].tolist(), time.perf_counter() - start
+    return out[0, len(ids) :].tolist(), time.perf_counter() - start
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -141,12 +160,13 @@ def _agreement(a: list[int], b: list[int]) -> float:
 
 
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
+    from dspark.autotune import tune
     from dspark.drafter import load_proposer
     from dspark.target import Target
 
     results, drafters_meta, target_mb = [], {}, {}
     for dtype in cfg.dtypes:
-        target = Target.load(cfg.model, dtype=dtype)
+        target = tune(Target.load(cfg.model, dtype=dtype))
         target_mb[dtype] = weights_mb(target.model)
         drafters = {}
         for label, path in cfg.drafters.items():
@@ -158,7 +178,9 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
 
             for label, d in drafters.items():
                 if d.confidence_head is not None:
-                    engines[f"{label}+sched"] = SpeculativeEngine(target, d, build_scheduler(target, cfg.drafters[label]))
+                    engines[f"{label}+sched"] = SpeculativeEngine(
+                        target, d, build_scheduler(target, cfg.drafters[label])
+                    )
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
@@ -176,8 +198,13 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                                 r = generate_plain(target, [ids], cfg.max_new_tokens, sampling)[0]
                                 tokens, seconds = r.token_ids, r.seconds
                             elif m in PEERS:
-                                tokens, seconds = hf_generate(target, ids, cfg.max_new_tokens, sampling,
-                                                               cfg.lookup_tokens if m == "hf-lookup" else 0)
+                                tokens, seconds = hf_generate(
+                                    target,
+                                    ids,
+                                    cfg.max_new_tokens,
+                                    sampling,
+                                    cfg.lookup_tokens if m == "hf-lookup" else 0,
+                                )
                             else:
                                 r = engines[m].generate([ids], cfg.max_new_tokens, sampling)[0]
                                 tokens, seconds = r.token_ids, r.seconds
@@ -190,13 +217,22 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 for m in methods:
                     row = rows[m]
                     entry = {
-                        "dtype": dtype, "temperature": temperature, "dataset": dataset, "method": m,
-                        "prompts": len(prompts), "tokens": row["tokens"], "seconds": round(row["seconds"], 3),
+                        "dtype": dtype,
+                        "temperature": temperature,
+                        "dataset": dataset,
+                        "method": m,
+                        "prompts": len(prompts),
+                        "tokens": row["tokens"],
+                        "seconds": round(row["seconds"], 3),
                         "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row["seconds"] else 0.0,
-                        "speedup_vs_plain": round((row["tokens"] / row["seconds"]) / (reference["tokens"] / reference["seconds"]), 3),
+                        "speedup_vs_plain": round(
+                            (row["tokens"] / row["seconds"]) / (reference["tokens"] / reference["seconds"]), 3
+                        ),
                         "identical_to_plain": sum(a == b for a, b in zip(row["outputs"], reference["outputs"])),
-                        "token_agreement": round(sum(_agreement(a, b) for a, b in zip(row["outputs"], reference["outputs"]))
-                                                 / len(prompts), 4),
+                        "token_agreement": round(
+                            sum(_agreement(a, b) for a, b in zip(row["outputs"], reference["outputs"])) / len(prompts),
+                            4,
+                        ),
                         "peak_rss_mb": round(row["peak_rss"] / 2**20, 1),
                     }
                     if row["stats"]:
@@ -205,15 +241,40 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                         d = s.to_dict()
                         parts = {"draft": s.draft_seconds, "verify": s.verify_seconds, "context": s.context_seconds}
                         parts["other"] = row["seconds"] - s.prefill_seconds - sum(parts.values())
-                        entry.update(tau=d["tau"], accept_by_position=d["accept_by_position"], rounds=d["rounds"],
-                                     mean_verified=d["mean_verified"], prefill_seconds=round(s.prefill_seconds, 3),
-                                     ms_per_round={k: round(1000 * v / s.rounds, 2) for k, v in parts.items()})
+                        entry.update(
+                            tau=d["tau"],
+                            accept_by_position=d["accept_by_position"],
+                            rounds=d["rounds"],
+                            mean_verified=d["mean_verified"],
+                            prefill_seconds=round(s.prefill_seconds, 3),
+                            ms_per_round={k: round(1000 * v / s.rounds, 2) for k, v in parts.items()},
+                        )
                     results.append(entry)
-                    progress(json.dumps({k: entry[k] for k in ("dtype", "temperature", "dataset", "method",
-                                                                "tokens_per_s", "speedup_vs_plain") if k in entry}
-                                        | ({"tau": entry["tau"]} if "tau" in entry else {})))
+                    progress(
+                        json.dumps(
+                            {
+                                k: entry[k]
+                                for k in (
+                                    "dtype",
+                                    "temperature",
+                                    "dataset",
+                                    "method",
+                                    "tokens_per_s",
+                                    "speedup_vs_plain",
+                                )
+                                if k in entry
+                            }
+                            | ({"tau": entry["tau"]} if "tau" in entry else {})
+                        )
+                    )
         del target, drafters, engines
-    return {"config": asdict(cfg), "machine": machine_info(), "drafters": drafters_meta, "results": results,
-            "target_weights_mb": target_mb,
-            "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "threads": torch.get_num_threads(),
-            "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}}
+    return {
+        "config": asdict(cfg),
+        "machine": machine_info(),
+        "drafters": drafters_meta,
+        "results": results,
+        "target_weights_mb": target_mb,
+        "when": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "threads": torch.get_num_threads(),
+        "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ},
+    }

@@ -1,4 +1,4 @@
-"""`dspark bench-serve`: the server under load on loopback, for each verification policy and concurrency.
+"""`dspark bench serve`: the server under load on loopback, for each verification policy and concurrency.
 
 For every policy a real server is started on a free loopback port and driven by the official openai client from
 `concurrency` threads, each streaming its requests one after another (a bounded number, so the run ends by
@@ -13,7 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dspark.decoding.engine import SpeculativeEngine
-from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+from dspark.decoding.policy import ConfidenceThreshold, FixedLength, VerifyPolicy
 from dspark.serve.app import ServeConfig, create_app
 from dspark.serve.local import LocalServer
 
@@ -22,7 +22,7 @@ def policies(target, drafter_path, fixed_lengths=(1, 3, 7), threshold: float = 0
     """label -> (uses the drafter, policy or None)."""
     from dspark.scheduling.planner import build_scheduler
 
-    out = {"plain": (False, None)}
+    out: dict[str, tuple[bool, VerifyPolicy | None]] = {"plain": (False, None)}
     out.update({f"fixed {n}": (True, FixedLength(n)) for n in fixed_lengths})
     out[f"threshold {threshold}"] = (True, ConfidenceThreshold(threshold))
     out["algorithm1"] = (True, build_scheduler(target, drafter_path, kind="algorithm1"))
@@ -44,8 +44,12 @@ def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream
     def one(i: int) -> dict:
         start, first, tokens = time.perf_counter(), None, 0
         stream = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompts[i % len(prompts)]}], max_tokens=max_tokens,
-            temperature=0, stream=True)
+            model=model,
+            messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+        )
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
                 first = time.perf_counter()
@@ -62,7 +66,9 @@ def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream
         done = [r for rs in pool.map(client_loop, range(concurrency)) for r in rs]
     wall = time.perf_counter() - start
     return {
-        "concurrency": concurrency, "requests": len(done), "tokens": sum(r["tokens"] for r in done),
+        "concurrency": concurrency,
+        "requests": len(done),
+        "tokens": sum(r["tokens"] for r in done),
         "ttft_p50": round(percentile([r["ttft"] for r in done], 0.5), 3),
         "latency_p50": round(percentile([r["latency"] for r in done], 0.5), 3),
         "latency_p95": round(percentile([r["latency"] for r in done], 0.95), 3),
@@ -71,13 +77,24 @@ def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream
     }
 
 
-def run_serve_bench(target, drafter, drafter_path, prompts: list[str], concurrencies, max_tokens: int,
-                    requests_per_level: int, progress=print) -> list[dict]:
+def run_serve_bench(
+    target,
+    drafter,
+    drafter_path,
+    prompts: list[str],
+    concurrencies,
+    max_tokens: int,
+    requests_per_level: int,
+    progress=print,
+) -> list[dict]:
     rows = []
     for label, (speculative, policy) in policies(target, drafter_path).items():
         engine = SpeculativeEngine(target, drafter if speculative else None, policy)
-        app = create_app(engine, target.tokenizer, ServeConfig("bench", max_batch=max(concurrencies),
-                                                               max_concurrent=2 * max(concurrencies)))
+        app = create_app(
+            engine,
+            target.tokenizer,
+            ServeConfig("bench", max_batch=max(concurrencies), max_concurrent=2 * max(concurrencies)),
+        )
         with LocalServer(app) as server:
             drive(server.url, "bench", prompts, 1, 1, 4)  # warm-up
             for c in concurrencies:

@@ -1,4 +1,4 @@
-"""`dspark bench-signal`: where a drafter's acceptance is lost, position by position.
+"""`dspark bench signal`: where a drafter's acceptance is lost, position by position.
 
 Every slice is text the target itself wrote: some training records, the held-out records, and the target's own
 greedy answers to evaluation prompts. The drafter is run teacher-forced at every answer position of each (what
@@ -74,16 +74,29 @@ def along_rounds(scored: list[LeadingRuns], gamma: int) -> SpecStats:
     return stats
 
 
-def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: dict[str, list[list[int]]],
-                  max_new_tokens: int, progress=print) -> list[dict]:
+def signal_report(
+    drafter,
+    target,
+    slices: dict[str, list[Example]],
+    prompts: dict[str, list[list[int]]],
+    max_new_tokens: int,
+    progress=print,
+) -> list[dict]:
     """One row per slice: teacher-forced τ and acceptance by position at every position and along the decoding rounds;
     for evaluation prompts also in real greedy decoding (float32 output of the engine, no stop tokens, so every
     answer runs to max_new_tokens and the rounds are comparable one to one)."""
     gamma, rows = drafter.block_size, []
     for name, examples in slices.items():
         scored = [score_answer(drafter, target, e) for e in examples]
-        rows.append(row(name, "training data" if name == "train" else "held-out", every_position(scored, gamma),
-                        rounds=along_rounds(scored, gamma), target_p=torch.cat([a.target_p for a in scored])))
+        rows.append(
+            row(
+                name,
+                "training data" if name == "train" else "held-out",
+                every_position(scored, gamma),
+                rounds=along_rounds(scored, gamma),
+                target_p=torch.cat([a.target_p for a in scored]),
+            )
+        )
         progress(rows[-1])
     engine = SpeculativeEngine(target, drafter, FixedLength())
     for name, ids in prompts.items():
@@ -92,16 +105,35 @@ def signal_report(drafter, target, slices: dict[str, list[Example]], prompts: di
             real = real.merge(result.stats)
             answer = Example(prompt + result.token_ids, [0] * len(prompt) + [1] * len(result.token_ids))
             scored.append(score_answer(drafter, target, answer))
-        rows.append(row(name, "target's answers", every_position(scored, gamma), rounds=along_rounds(scored, gamma),
-                        real=real, target_p=torch.cat([a.target_p for a in scored])))
+        rows.append(
+            row(
+                name,
+                "target's answers",
+                every_position(scored, gamma),
+                rounds=along_rounds(scored, gamma),
+                real=real,
+                target_p=torch.cat([a.target_p for a in scored]),
+            )
+        )
         progress(rows[-1])
     return rows
 
 
-def row(name: str, kind: str, tf: SpecStats, rounds: SpecStats | None = None, real: SpecStats | None = None,
-        target_p: torch.Tensor | None = None) -> dict:
-    out = {"slice": name, "text": kind, "anchors": tf.rounds, "tf_tau": round(tf.tau, 4),
-           "tf_accept_by_position": [None if p is None else round(p, 4) for p in tf.accept_by_position()]}
+def row(
+    name: str,
+    kind: str,
+    tf: SpecStats,
+    rounds: SpecStats | None = None,
+    real: SpecStats | None = None,
+    target_p: torch.Tensor | None = None,
+) -> dict:
+    out = {
+        "slice": name,
+        "text": kind,
+        "anchors": tf.rounds,
+        "tf_tau": round(tf.tau, 4),
+        "tf_accept_by_position": [None if p is None else round(p, 4) for p in tf.accept_by_position()],
+    }
     if target_p is not None:
         out["target_p_mean"] = round(target_p.mean().item(), 4)
         out["target_p_below_half"] = round((target_p < 0.5).float().mean().item(), 4)
@@ -118,41 +150,67 @@ def signal_section(run: dict, command: str, plot: str, name: str = "signal") -> 
         return "–" if x is None else f"{x:.2f}"
 
     m = run["machine"]
-    machine = (f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
-               f"{', '.join(m['cpu_flags']) or 'n/a'}; target {run['dtype']}; drafter `{run['drafter']}`.")
-    legend = ("τ = 1 + accepted drafts per round (greedy, fixed γ). *Teacher-forced*: the drafter on the text at every "
-              "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits (on text "
-              "the target wrote greedily, what decoding its prompt accepts); "
-              "*real*: decoded by the engine. In float32, along rounds must equal real (else training and inference "
-              "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits. "
-              "*Target p*: the target's mean probability of the text's next token, and the share of positions where "
-              "it is below 0.5 (near ties the target itself is unsure of).")
-    header = ("| slice | text | anchors | teacher-forced τ | accept pos 1 / 2 / 3 (teacher-forced) | along rounds τ "
-              "| real τ | real accept pos 1 | target p (share < 0.5) |")
-    out = [f"## {name}: training signal by position", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```",
-           "", machine, "", legend, "", header, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    machine = (
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
+        f"{', '.join(m['cpu_flags']) or 'n/a'}; target {run['dtype']}; drafter `{run['drafter']}`."
+    )
+    legend = (
+        "τ = 1 + accepted drafts per round (greedy, fixed γ). *Teacher-forced*: the drafter on the text at every "
+        "answer position, as training measures it; *along rounds*: at the anchors greedy decoding visits (on text "
+        "the target wrote greedily, what decoding its prompt accepts); "
+        "*real*: decoded by the engine. In float32, along rounds must equal real (else training and inference "
+        "disagree); training ≈ held-out means the drafter underfits, training ≫ held-out that it overfits. "
+        "*Target p*: the target's mean probability of the text's next token, and the share of positions where "
+        "it is below 0.5 (near ties the target itself is unsure of)."
+    )
+    header = (
+        "| slice | text | anchors | teacher-forced τ | accept pos 1 / 2 / 3 (teacher-forced) | along rounds τ "
+        "| real τ | real accept pos 1 | target p (share < 0.5) |"
+    )
+    out = [
+        f"## {name}: training signal by position",
+        "",
+        f"Run {run['when']}. Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        machine,
+        "",
+        legend,
+        "",
+        header,
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in run["rows"]:
         acc = " / ".join(cell(p) for p in r["tf_accept_by_position"][:3])
         confidence = "–" if "target_p_mean" not in r else f"{r['target_p_mean']:.2f} ({r['target_p_below_half']:.2f})"
-        out.append(f"| {r['slice']} | {r['text']} | {r['anchors']} | {r['tf_tau']:.2f} | {acc} | "
-                   f"{cell(r.get('rounds_tau'))} | {cell(r.get('real_tau'))} | {cell(r.get('real_accept_1'))} | "
-                   f"{confidence} |")
+        out.append(
+            f"| {r['slice']} | {r['text']} | {r['anchors']} | {r['tf_tau']:.2f} | {acc} | "
+            f"{cell(r.get('rounds_tau'))} | {cell(r.get('real_tau'))} | {cell(r.get('real_accept_1'))} | "
+            f"{confidence} |"
+        )
     out += ["", f"![acceptance by position]({plot})", ""]
     return "\n".join(out)
 
 
 def signal_plot(rows: list[dict], path: Path) -> Path:
     """Teacher-forced acceptance by draft position, one line per slice."""
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for r in rows:
         acc = r["tf_accept_by_position"]
-        ax.plot(range(1, len(acc) + 1), [float("nan") if a is None else a for a in acc], marker="o",
-                linestyle="-" if r["text"] == "target's answers" else "--", label=f"{r['slice']} (τ {r['tf_tau']:.2f})")
+        ax.plot(
+            range(1, len(acc) + 1),
+            [float("nan") if a is None else a for a in acc],
+            marker="o",
+            linestyle="-" if r["text"] == "target's answers" else "--",
+            label=f"{r['slice']} (τ {r['tf_tau']:.2f})",
+        )
     ax.set_xlabel("draft position k")
     ax.set_ylabel("P(accept k | 1..k-1 accepted)")
     ax.set_ylim(0, 1)

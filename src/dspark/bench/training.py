@@ -1,4 +1,4 @@
-"""`dspark bench-train`: what a training step costs under each efficiency lever, on the same real batches.
+"""`dspark bench train`: what a training step costs under each efficiency lever, on the same real batches.
 
 Each setting is a set of TrainConfig overrides; every setting trains the same batches for a few steps after a
 warm-up. The result is the time per step split into the target's features (forward, or cache read) and the rest
@@ -20,13 +20,24 @@ LEVERS = {
     "+ draft vocabulary 8192": {"draft_vocab_size": 8192},
     "+ target top-32": {"draft_vocab_size": 8192, "target_topk": 32},
     "+ feature cache": {"draft_vocab_size": 8192, "target_topk": 32, "feature_cache": True},
-    "+ 16 anchors per sequence (instead of 64)": {"draft_vocab_size": 8192, "target_topk": 32, "feature_cache": True,
-                                                  "num_anchors": 16},
+    "+ 16 anchors per sequence (instead of 64)": {
+        "draft_vocab_size": 8192,
+        "target_topk": 32,
+        "feature_cache": True,
+        "num_anchors": 16,
+    },
 }
 
 
-def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: int = 4, workdir: str = "runs/levers",
-                levers: dict | None = None) -> list[dict]:
+def time_levers(
+    data: str,
+    model: str,
+    base: dict,
+    steps: int = 4,
+    batch_size: int = 4,
+    workdir: str = "runs/levers",
+    levers: dict | None = None,
+) -> list[dict]:
     from dspark.drafter import new_drafter
     from dspark.target import Target
 
@@ -69,22 +80,42 @@ def time_levers(data: str, model: str, base: dict, steps: int = 4, batch_size: i
                 t_target += t1 - t0
                 t_drafter += t2 - t1
                 positions += int(plan.supervised.sum())
-        rows.append({"setting": name, "overrides": overrides, "ms_per_step": round(1000 * (t_target + t_drafter) / steps, 1),
-                     "features_ms_per_step": round(1000 * t_target / steps, 1),
-                     "loss_and_update_ms_per_step": round(1000 * t_drafter / steps, 1),
-                     "us_per_supervised_position": round(1e6 * (t_target + t_drafter) / max(1, positions), 1),
-                     "supervised_positions": positions, "target_dtype": cfg.target_dtype, "bf16_autocast": cfg.bf16})
+        rows.append(
+            {
+                "setting": name,
+                "overrides": overrides,
+                "ms_per_step": round(1000 * (t_target + t_drafter) / steps, 1),
+                "features_ms_per_step": round(1000 * t_target / steps, 1),
+                "loss_and_update_ms_per_step": round(1000 * t_drafter / steps, 1),
+                "us_per_supervised_position": round(1e6 * (t_target + t_drafter) / max(1, positions), 1),
+                "supervised_positions": positions,
+                "target_dtype": cfg.target_dtype,
+                "bf16_autocast": cfg.bf16,
+            }
+        )
     return rows
 
 
 def levers_markdown(rows: list[dict], command: str) -> str:
-    out = ["## Training cost by lever", "", "Reproduce with:", "", "```bash", command, "```", "",
-           f"Target in {rows[0]['target_dtype']}, drafter autocast to bfloat16 {'on' if rows[0]['bf16_autocast'] else 'off'}"
-           " (chosen for this CPU, as `dspark train` does).", "",
-           "| setting | ms / step | features ms | loss + update ms | µs / supervised position |",
-           "| --- | --- | --- | --- | --- |"]
+    out = [
+        "## Training cost by lever",
+        "",
+        "Reproduce with:",
+        "",
+        "```bash",
+        command,
+        "```",
+        "",
+        f"Target in {rows[0]['target_dtype']}, drafter autocast to bfloat16 {'on' if rows[0]['bf16_autocast'] else 'off'}"
+        " (chosen for this CPU, as `dspark train` does).",
+        "",
+        "| setting | ms / step | features ms | loss + update ms | µs / supervised position |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     base = rows[0]["us_per_supervised_position"]
     for r in rows:
-        out.append(f"| {r['setting']} | {r['ms_per_step']} | {r['features_ms_per_step']} | {r['loss_and_update_ms_per_step']} | "
-                   f"{r['us_per_supervised_position']} ({base / r['us_per_supervised_position']:.1f}x cheaper) |")
+        out.append(
+            f"| {r['setting']} | {r['ms_per_step']} | {r['features_ms_per_step']} | {r['loss_and_update_ms_per_step']} | "
+            f"{r['us_per_supervised_position']} ({base / r['us_per_supervised_position']:.1f}x cheaper) |"
+        )
     return "\n".join(out) + "\n"

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from dspark.decoding.policy import FixedLength
+from dspark.decoding.policy import FixedLength, VerifyPolicy
 from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts, token_logprobs
 from dspark.decoding.stats import SpecStats
 from dspark.decoding.verify import verify_greedy, verify_sampling
 from dspark.kvcache import KVCache
 from dspark.proposer import Proposer, ProposerCache
 from dspark.sampling import SamplingParams, all_greedy, next_token
+from dspark.target import Target
 
 
 @dataclass
@@ -49,14 +50,14 @@ class Batch:
 
 
 class SpeculativeEngine:
-    def __init__(self, target, drafter: Proposer | None = None, policy=None):
+    def __init__(self, target: Target, drafter: Proposer | None = None, policy: VerifyPolicy | None = None):
         self.target = target
         self.drafter = drafter.eval() if drafter is not None else None
         self.layer_ids = []  # the features the drafter reads, asked for per forward
         if drafter is not None:
             target.validate_layer_ids(drafter.target_layer_ids)
             self.layer_ids = list(drafter.target_layer_ids)
-        self.policy = policy or FixedLength()
+        self.policy: VerifyPolicy = policy or FixedLength()
 
     @property
     def gamma(self) -> int:
@@ -68,15 +69,23 @@ class SpeculativeEngine:
         return Batch([], self.target.new_cache(size), self.drafter.new_cache(size) if self.drafter else None, empty)
 
     @torch.no_grad()
-    def admit(self, batch: Batch, requests: list[RequestState], sampling: list[SamplingParams],
-              generators: list[torch.Generator], on_tokens=None) -> None:
+    def admit(
+        self,
+        batch: Batch,
+        requests: list[RequestState],
+        sampling: list[SamplingParams],
+        generators: list[torch.Generator],
+        on_tokens=None,
+    ) -> None:
         """Prefill: the target reads each new prompt and says its first token, the anchor of the row's first round.
         The prefill runs apart from `batch`, which it joins only once it succeeded."""
         start = time.perf_counter()
         joining = self.new_batch(len(requests))
-        logits = self._prefill(joining, [r.prompt for r in requests], lambda last: next_token(last, sampling, generators))
+        logits = self._prefill(
+            joining, [r.prompt for r in requests], lambda last: next_token(last, sampling, generators)
+        )
         now = time.perf_counter()
-        for i, (request, params, gen) in enumerate(zip(requests, sampling, generators)):
+        for request, params, gen in zip(requests, sampling, generators):
             row = Row(request, params, gen, SpecStats(self.gamma), start)
             row.stats.prefill_seconds = now - start
             joining.rows.append(row)
@@ -147,8 +156,9 @@ class SpeculativeEngine:
         batch.tcache.rollback(batch.tcache.lengths - (ell + 1) + (accepted + 1))
         t2 = time.perf_counter()
         if drafter is not None:
-            drafter.extend_context(batch.dcache, out.features, accepted + 1,
-                                   following(verify_ids, accepted, batch.anchors))
+            drafter.extend_context(
+                batch.dcache, out.features, accepted + 1, following(verify_ids, accepted, batch.anchors)
+            )
         t3 = time.perf_counter()
 
         draft_list, acc, nxt, ells = drafts.tolist(), accepted.tolist(), batch.anchors.tolist(), ell.tolist()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -52,8 +52,13 @@ def stream_plain(
             rows = [rows[i] for i in live]
         if admit:
             batch = [queue.popleft() for _ in range(min(max_batch - len(rows), len(queue)))]
-            states = [RequestState(admitted + i, prompt, max_new_tokens, stop, target.context_window) for i, (_, prompt) in enumerate(batch)]
-            gens = SamplingParams(seed=None if sampling.seed is None else sampling.seed + admitted).generators(len(batch))
+            states = [
+                RequestState(admitted + i, prompt, max_new_tokens, stop, target.context_window)
+                for i, (_, prompt) in enumerate(batch)
+            ]
+            gens = SamplingParams(seed=None if sampling.seed is None else sampling.seed + admitted).generators(
+                len(batch)
+            )
             admitted += len(batch)
             fresh = target.new_cache(len(batch))
             ids, lengths = pad_prompts([prompt for _, prompt in batch], target.device)
@@ -90,5 +95,7 @@ def generate_plain(
     for i, p in enumerate(prompts):
         RequestState(i, p, max_new_tokens, set(), target.context_window)  # refuse bad requests before any compute
     queue = deque(enumerate(prompts))
-    results = dict(stream_plain(target, queue, max_batch or len(prompts), max_new_tokens, sampling, stop_token_ids, on_tokens))
+    results = dict(
+        stream_plain(target, queue, max_batch or len(prompts), max_new_tokens, sampling, stop_token_ids, on_tokens)
+    )
     return [results[i] for i in range(len(prompts))]

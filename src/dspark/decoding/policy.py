@@ -1,6 +1,7 @@
 """Verification-length policies: how many of the γ draft tokens each request sends to the target this round.
 
-Fixed length and the static confidence threshold live here; the cost-aware prefix scheduler in scheduling/planner.py.
+Every policy implements `VerifyPolicy`: fixed length and the static confidence threshold here, the cost-aware
+schedulers (Algorithm 1 and the production variant) in scheduling/planner.py.
 
 A policy sees the round's confidence logits ([B, γ], None for drafters without a confidence head) and returns
 ℓ_r ∈ [0, γ] per request. The decision for position k may depend only on what was drafted before k (a stopping
@@ -9,9 +10,19 @@ rule), or verification stops being lossless.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from dspark.errors import DSparkError
+
+
+class VerifyPolicy(Protocol):
+    def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
+        """ℓ_r ∈ [0, γ] per request [batch] for this round, from the drafts' confidence logits [batch, γ]."""
+
+    def describe(self) -> str:
+        """A few words for logs and reports."""
 
 
 def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:

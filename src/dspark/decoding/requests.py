@@ -63,8 +63,10 @@ class RequestState:
             raise DSparkError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
         if self.context_window:
             if len(self.prompt) >= self.context_window:
-                raise DSparkError(f"prompt {self.index} has {len(self.prompt)} tokens, but the model's context window "
-                                  f"is {self.context_window}; shorten the prompt")
+                raise DSparkError(
+                    f"prompt {self.index} has {len(self.prompt)} tokens, but the model's context window "
+                    f"is {self.context_window}; shorten the prompt"
+                )
             self.max_new_tokens = min(self.max_new_tokens, self.context_window - len(self.prompt))
 
     @property

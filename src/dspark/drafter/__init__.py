@@ -2,8 +2,27 @@
 
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.model import DraftCache, DSparkDrafter
-from dspark.drafter.registry import (NGRAM_PREFIX, lineage, load_drafter, load_proposer, new_drafter, port_to_qwen3,
-                                     read_checkpoint_meta, training_totals)
+from dspark.drafter.registry import (
+    NGRAM_PREFIX,
+    lineage,
+    load_drafter,
+    load_proposer,
+    new_drafter,
+    port_to_qwen3,
+    read_checkpoint_meta,
+    training_totals,
+)
 
-__all__ = ["DSparkConfig", "DSparkDrafter", "DraftCache", "NGRAM_PREFIX", "lineage", "load_drafter", "load_proposer",
-           "new_drafter", "port_to_qwen3", "read_checkpoint_meta", "training_totals"]
+__all__ = [
+    "NGRAM_PREFIX",
+    "DSparkConfig",
+    "DSparkDrafter",
+    "DraftCache",
+    "lineage",
+    "load_drafter",
+    "load_proposer",
+    "new_drafter",
+    "port_to_qwen3",
+    "read_checkpoint_meta",
+    "training_totals",
+]

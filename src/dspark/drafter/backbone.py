@@ -30,9 +30,12 @@ def backbone_layout(target_config, backbone: str):
     if rope and "full_attention" in rope:  # Gemma 3 ropes its global and sliding layers apart: take the global one
         rope = rope["full_attention"]
     config = Qwen3Config(
-        vocab_size=target_config.vocab_size, hidden_size=target_config.hidden_size,
-        intermediate_size=target_config.intermediate_size, num_hidden_layers=target_config.num_hidden_layers,
-        num_attention_heads=heads, num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
+        vocab_size=target_config.vocab_size,
+        hidden_size=target_config.hidden_size,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=target_config.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", heads),
         head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // heads,
         hidden_act=getattr(target_config, "hidden_activation", None) or target_config.hidden_act,
         max_position_embeddings=target_config.max_position_embeddings,

@@ -13,7 +13,9 @@ BACKBONES = ("family", "qwen3")
 
 @dataclass
 class DSparkConfig:
-    architecture: str = "dspark"  # dspark (parallel block + heads) | eagle3 (autoregressive baseline, docs/design.md §6)
+    architecture: str = (
+        "dspark"  # dspark (parallel block + heads) | eagle3 (autoregressive baseline, docs/design.md §6)
+    )
     block_size: int = 7  # γ: draft positions per block, the anchor slot included
     num_draft_layers: int = 5
     target_layer_ids: list[int] = field(default_factory=list)  # decoder layers whose outputs feed the drafter
@@ -79,7 +81,9 @@ class DSparkConfig:
         known = {f.name: f for f in fields(cls)}
         unknown = set(data) - set(known)
         if unknown:
-            raise DSparkError(f"{where}: unknown drafter config fields {sorted(unknown)}; known fields: {sorted(known)}")
+            raise DSparkError(
+                f"{where}: unknown drafter config fields {sorted(unknown)}; known fields: {sorted(known)}"
+            )
         for name, value in data.items():
             kind = type(getattr(cls(), name))
             ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))

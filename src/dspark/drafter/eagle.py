@@ -109,8 +109,13 @@ class EagleDrafter(DSparkDrafter):
                 break
             position = position + 1
             mask = torch.cat([live, live.new_ones(live.shape[0], len(own_k) + 1)], dim=1)[:, None, None]
-            out, k, v = self._layer(self._inputs(h, draft)[:, None], position[:, None],
-                                    torch.cat([keys, *own_k], dim=2), torch.cat([values, *own_v], dim=2), mask)
+            out, k, v = self._layer(
+                self._inputs(h, draft)[:, None],
+                position[:, None],
+                torch.cat([keys, *own_k], dim=2),
+                torch.cat([values, *own_v], dim=2),
+                mask,
+            )
             own_k.append(k)
             own_v.append(v)
             h = out[:, 0]

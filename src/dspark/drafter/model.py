@@ -27,9 +27,18 @@ from dspark.sampling import Sampling, all_greedy, rows_to_probs, sample_rows
 
 CHECKPOINT_FORMAT = "dspark-drafter"
 FORMAT_VERSION = 2  # 2: model.safetensors metadata repeats WEIGHT_SHAPING_FIELDS
-WEIGHT_SHAPING_FIELDS = ("architecture", "block_size", "num_draft_layers", "target_layer_ids", "markov_rank",
-                         "markov_head_type", "enable_confidence_head", "confidence_head_with_markov", "draft_vocab_size",
-                         "backbone")
+WEIGHT_SHAPING_FIELDS = (
+    "architecture",
+    "block_size",
+    "num_draft_layers",
+    "target_layer_ids",
+    "markov_rank",
+    "markov_head_type",
+    "enable_confidence_head",
+    "confidence_head_with_markov",
+    "draft_vocab_size",
+    "backbone",
+)
 
 
 # What a Qwen3-style layer has and a warm start from another family's layer lacks: kept at their start (norm
@@ -73,7 +82,7 @@ class DraftCache(KVCache):
         super().select(rows)
         self.row_state = {k: v[rows] for k, v in self.row_state.items()}
 
-    def merge(self, other: DraftCache) -> None:
+    def merge(self, other: DraftCache) -> None:  # type: ignore[override]
         super().merge(other)
         self.row_state = {k: torch.cat([v, other.row_state[k]]) for k, v in self.row_state.items()} or other.row_state
 
@@ -102,7 +111,7 @@ class DSparkDrafter(nn.Module):
         if config.enable_confidence_head:
             self.confidence_head = ConfidenceHead(hidden + (rank if config.confidence_head_with_markov else 0))
         # Block tokens enter as the target embeds them: Gemma scales its embedding by sqrt(d).
-        self.embed_scale = hidden ** 0.5 if target_config.model_type in GEMMA_FAMILIES else None
+        self.embed_scale = hidden**0.5 if target_config.model_type in GEMMA_FAMILIES else None
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
@@ -147,8 +156,10 @@ class DSparkDrafter(nn.Module):
         # its output-projection bias at zero; nothing else may be left out.
         missing, unexpected = layer.load_state_dict(state, strict=False)
         if unexpected or not only_portable_extras(missing):
-            raise DSparkError(f"the target's layers do not fit this backbone (missing {missing}, unexpected "
-                              f"{unexpected}); train with --no-init-target-layers")
+            raise DSparkError(
+                f"the target's layers do not fit this backbone (missing {missing}, unexpected "
+                f"{unexpected}); train with --no-init-target-layers"
+            )
 
     def add_layers(self, count: int, target_model=None) -> None:
         """Deepen a trained drafter: append `count` decoder layers after its last. Each starts as an identity (its
@@ -184,17 +195,17 @@ class DSparkDrafter(nn.Module):
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.config.draft_vocab_size or self.lm_head_weight.shape[0]
+        return self.config.draft_vocab_size or int(self.lm_head_weight.shape[0])
 
     def lm_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The rows of the shared LM head that the drafter scores, in `dtype`; rebuilt only when d2t or dtype change."""
         if self.d2t is None and self.lm_head_weight.dtype == dtype:
-            return self.lm_head_weight
+            return self.lm_head_weight  # type: ignore[return-value]
         d2t_key = None if self.d2t is None else (self.d2t.data_ptr(), self.d2t._version)
         key = (d2t_key, self.lm_head_weight.data_ptr(), dtype)
         if self._lm_slice is None or self._lm_slice[0] != key:
             weight = self.lm_head_weight if self.d2t is None else self.lm_head_weight.index_select(0, self.d2t)
-            self._lm_slice = (key, weight.to(dtype))
+            self._lm_slice = (key, weight.to(dtype))  # type: ignore[assignment]
         return self._lm_slice[1]
 
     def set_draft_vocab(self, d2t: torch.Tensor) -> None:
@@ -304,8 +315,14 @@ class DSparkDrafter(nn.Module):
     # ---- inference -------------------------------------------------------------------------------------------
     def new_cache(self, batch_size: int) -> DraftCache:
         attn = self.layers[0].self_attn
-        return DraftCache(len(self.layers), batch_size, self.target_config.num_key_value_heads, attn.head_dim,
-                          self.fc.weight.dtype, self.lm_head_weight.device)
+        return DraftCache(
+            len(self.layers),
+            batch_size,
+            self.target_config.num_key_value_heads,
+            attn.head_dim,
+            self.fc.weight.dtype,
+            self.lm_head_weight.device,
+        )
 
     @torch.no_grad()
     def extend_context(self, cache: DraftCache, features: torch.Tensor, num_new: torch.Tensor, next_ids=None) -> None:
@@ -382,8 +399,12 @@ class DSparkDrafter(nn.Module):
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
         if dtype is not None:
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
-        meta = {"format": CHECKPOINT_FORMAT, "format_version": FORMAT_VERSION, "drafter": self.config.to_dict(),
-                "target": target_identity}
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "format_version": FORMAT_VERSION,
+            "drafter": self.config.to_dict(),
+            "target": target_identity,
+        }
         meta.update(extra or {})
         # The weights file repeats the config fields that shape them, so a config edited apart from its weights
         # (or weights copied from another checkpoint) is caught on load.

@@ -55,7 +55,9 @@ class NgramProposer:
         """From a regenerated data file: every conversation's prompt and answers as the target produced them."""
         from dspark.training.data import examples_from_record, read_records
 
-        sequences = [e.input_ids for r in read_records(path) for e in examples_from_record(target.tokenizer, r, 1 << 30)]
+        sequences = [
+            e.input_ids for r in read_records(path) for e in examples_from_record(target.tokenizer, r, 1 << 30)
+        ]
         return cls(sequences, target.vocab_size, block_size)
 
     def eval(self) -> NgramProposer:
@@ -80,9 +82,9 @@ class NgramProposer:
             a, b = (tail[-1] if tail else None), anchor
             row, row_conf = [], []
             for _ in range(self.block_size):
-                c, share = self.next(a, b)
+                c, frequency = self.next(a, b)
                 row.append(c)
-                row_conf.append(share)
+                row_conf.append(frequency)
                 a, b = b, c
             tokens.append(row)
             conf.append(row_conf)

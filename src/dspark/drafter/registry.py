@@ -12,8 +12,13 @@ from safetensors import safe_open
 
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.eagle import EagleDrafter
-from dspark.drafter.model import (CHECKPOINT_FORMAT, FORMAT_VERSION, WEIGHT_SHAPING_FIELDS, DSparkDrafter,
-                                  only_portable_extras)
+from dspark.drafter.model import (
+    CHECKPOINT_FORMAT,
+    FORMAT_VERSION,
+    WEIGHT_SHAPING_FIELDS,
+    DSparkDrafter,
+    only_portable_extras,
+)
 from dspark.errors import DSparkError
 from dspark.fsutil import recover_dir
 
@@ -47,8 +52,10 @@ def port_to_qwen3(drafter: DSparkDrafter, target) -> DSparkDrafter:
     ported = new_drafter(target, config).to(next(drafter.parameters()).dtype)
     missing, unexpected = ported.load_state_dict(drafter.state_dict(), strict=False)
     if unexpected or not only_portable_extras(missing):
-        raise DSparkError(f"this drafter's layers do not fit the qwen3 backbone (missing {missing[:4]}, unexpected "
-                          f"{unexpected[:4]}); train a new drafter with --backbone qwen3")
+        raise DSparkError(
+            f"this drafter's layers do not fit the qwen3 backbone (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}); train a new drafter with --backbone qwen3"
+        )
     return ported
 
 
@@ -66,8 +73,10 @@ def read_checkpoint_meta(path: str | Path) -> dict:
         raise DSparkError(f"{path}/config.json is not a dspark drafter config (format={got!r})")
     version = meta.get("format_version")
     if version not in range(1, FORMAT_VERSION + 1):
-        raise DSparkError(f"{path}/config.json has format_version {version!r}; this dspark reads versions 1 to "
-                          f"{FORMAT_VERSION} (upgrade dspark for newer checkpoints)")
+        raise DSparkError(
+            f"{path}/config.json has format_version {version!r}; this dspark reads versions 1 to "
+            f"{FORMAT_VERSION} (upgrade dspark for newer checkpoints)"
+        )
     if not isinstance(meta.get("drafter"), dict) or not isinstance(meta.get("target"), dict):
         raise DSparkError(f"{path}/config.json needs 'drafter' and 'target' objects")
     return meta
@@ -80,9 +89,17 @@ def lineage(meta: dict) -> list[dict]:
     legs = [dict(leg) for leg in meta.get("lineage") or [] if isinstance(leg, dict)]
     run, progress = meta.get("training"), meta.get("progress")
     if isinstance(run, dict) and isinstance(progress, dict):
-        legs.append({"run": run.get("out"), "data": run.get("data"), "steps": progress.get("step"),
-                     "tokens": progress.get("tokens"), "seconds": progress.get("seconds"),
-                     "core_seconds": progress.get("core_seconds"), "device": progress.get("device")})
+        legs.append(
+            {
+                "run": run.get("out"),
+                "data": run.get("data"),
+                "steps": progress.get("step"),
+                "tokens": progress.get("tokens"),
+                "seconds": progress.get("seconds"),
+                "core_seconds": progress.get("core_seconds"),
+                "device": progress.get("device"),
+            }
+        )
     return legs
 
 
@@ -96,9 +113,14 @@ def training_totals(meta: dict) -> dict:
         spent = [leg.get("core_seconds") for leg, g in zip(legs, on_gpu) if g == gpu]
         return None if None in spent else round(sum(spent) / 3600, 2)
 
-    return {"legs": len(legs), "steps": sum(leg.get("steps") or 0 for leg in legs),
-            "tokens": sum(leg.get("tokens") or 0 for leg in legs), "core_hours": hours(False), "gpu_hours": hours(True),
-            "last_leg": legs[-1] if legs else None}
+    return {
+        "legs": len(legs),
+        "steps": sum(leg.get("steps") or 0 for leg in legs),
+        "tokens": sum(leg.get("tokens") or 0 for leg in legs),
+        "core_hours": hours(False),
+        "gpu_hours": hours(True),
+        "last_leg": legs[-1] if legs else None,
+    }
 
 
 def load_drafter(path: str | Path, target) -> DSparkDrafter:
@@ -112,7 +134,9 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
             "Load the target it was trained for, or train a drafter for this one (`dspark train`)."
         )
     config = DSparkConfig.from_dict(meta["drafter"], where=f"{path}/config.json")
-    drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight, target.lm_head.weight)
+    drafter = drafter_class(config.architecture)(
+        config, target.config, target.embed_tokens.weight, target.lm_head.weight
+    )
     weights = path / "model.safetensors"
     try:
         with safe_open(str(weights), framework="pt") as f:
@@ -123,8 +147,10 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
     for field in WEIGHT_SHAPING_FIELDS:
         saved = echo.get(f"dspark.{field}")
         if saved is not None and json.loads(saved) != getattr(config, field):
-            raise DSparkError(f"{path}: config.json says {field}={getattr(config, field)!r} but the weights were "
-                              f"saved with {field}={json.loads(saved)!r}; restore the config.json that came with them")
+            raise DSparkError(
+                f"{path}: config.json says {field}={getattr(config, field)!r} but the weights were "
+                f"saved with {field}={json.loads(saved)!r}; restore the config.json that came with them"
+            )
     load_checked_state(drafter, state, f"{path}: model.safetensors")
     return drafter.to(target.dtype)
 
@@ -134,12 +160,17 @@ def load_checked_state(drafter, state: dict, where: str) -> None:
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
-    wrong = [f"{k} {tuple(state[k].shape)} (config wants {tuple(expected[k].shape)})"
-             for k in sorted(set(state) & set(expected)) if state[k].shape != expected[k].shape]
+    wrong = [
+        f"{k} {tuple(state[k].shape)} (config wants {tuple(expected[k].shape)})"
+        for k in sorted(set(state) & set(expected))
+        if state[k].shape != expected[k].shape
+    ]
     if missing or unexpected or wrong:
-        raise DSparkError(f"{where} does not match config.json (missing {missing[:4]}, unexpected "
-                          f"{unexpected[:4]}, wrong shapes {wrong[:4]}); the config was edited or the files come "
-                          "from different checkpoints")
+        raise DSparkError(
+            f"{where} does not match config.json (missing {missing[:4]}, unexpected "
+            f"{unexpected[:4]}, wrong shapes {wrong[:4]}); the config was edited or the files come "
+            "from different checkpoints"
+        )
     drafter.load_state_dict({k: v.to(expected[k].dtype) for k, v in state.items()})
 
 
@@ -151,5 +182,5 @@ def load_proposer(spec: str | Path, target):
     if str(spec).startswith(NGRAM_PREFIX):
         from dspark.drafter.ngram import NgramProposer
 
-        return NgramProposer.from_data(str(spec)[len(NGRAM_PREFIX):], target)
+        return NgramProposer.from_data(str(spec)[len(NGRAM_PREFIX) :], target)
     return load_drafter(spec, target)

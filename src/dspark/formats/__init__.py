@@ -14,8 +14,9 @@ COMPANIONS = {"dspark": ("calibration.json", "MODEL_CARD.md")}
 DEFAULT_COMPANIONS = ("MODEL_CARD.md",)
 
 
-def export_drafter(source: Path, out: Path, fmt: str, drafter, target, dtype, meta: dict,
-                   target_gguf: Path | None = None) -> list[str]:
+def export_drafter(
+    source: Path, out: Path, fmt: str, drafter, target, dtype, meta: dict, target_gguf: Path | None = None
+) -> list[str]:
     """Write `drafter` (loaded from the checkpoint `source`) into the folder `out` in format `fmt`, atomically and
     with a manifest of what it wrote. Returns the companion files carried from `source`."""
     from dspark.fsutil import atomic_dir
@@ -37,8 +38,8 @@ def import_drafter(source: Path, out: Path, target) -> str:
     manifest). Returns the format it was read from."""
     from dspark.fsutil import atomic_dir
 
-    fmt = detect(source)
-    drafter = import_foreign(source, target)
+    drafter = import_foreign(source, target)  # refuses a folder of neither format, saying so
+    fmt = detect(source) or "foreign"
     with atomic_dir(out, manifest=True) as tmp:
         drafter.write_files(tmp, target.identity(), extra={"imported_from": {"format": fmt, "path": str(source)}})
     return fmt
@@ -62,8 +63,9 @@ def import_foreign(path: Path, target):
     from dspark.formats.hf import read_foreign
 
     config, state = read_foreign(Path(path), target)
-    drafter = drafter_class(config.architecture)(config, target.config, target.embed_tokens.weight,
-                                                 target.lm_head.weight)
+    drafter = drafter_class(config.architecture)(
+        config, target.config, target.embed_tokens.weight, target.lm_head.weight
+    )
     load_checked_state(drafter, state, f"{path}: the weights")
     return drafter.to(target.dtype).eval()
 

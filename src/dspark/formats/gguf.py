@@ -58,18 +58,25 @@ def check_gguf_portable(drafter, target) -> None:
     check_portable(drafter, "gguf")
     config = drafter.config
     if config.markov_rank and config.markov_head_type != "vanilla":
-        raise DSparkError(f"llama.cpp runs only the vanilla Markov head; this drafter has '{config.markov_head_type}'"
-                          " (retrain with --markov-head-type vanilla, or serve it with dspark)")
+        raise DSparkError(
+            f"llama.cpp runs only the vanilla Markov head; this drafter has '{config.markov_head_type}'"
+            " (retrain with --markov-head-type vanilla, or serve it with dspark)"
+        )
     if config.markov_rank == 0:
-        raise DSparkError("llama.cpp's draft-dspark needs a Markov head (markov_rank > 0); a rank-0 drafter is a "
-                          "DFlash drafter")
+        raise DSparkError(
+            "llama.cpp's draft-dspark needs a Markov head (markov_rank > 0); a rank-0 drafter is a DFlash drafter"
+        )
     if config.enable_confidence_head and not config.confidence_head_with_markov:
-        raise DSparkError("llama.cpp's confidence projection reads [h; W1[x]]: export a drafter trained with "
-                          "--confidence-head-with-markov")
+        raise DSparkError(
+            "llama.cpp's confidence projection reads [h; W1[x]]: export a drafter trained with "
+            "--confidence-head-with-markov"
+        )
     layers = layer_config(target.config)
     if layers.get("attention_bias"):
-        raise DSparkError("llama.cpp's dflash layers have no attention biases, and this target's (Qwen2-style) "
-                          "drafter layers do; serve it with dspark or vLLM (--format speculators)")
+        raise DSparkError(
+            "llama.cpp's dflash layers have no attention biases, and this target's (Qwen2-style) "
+            "drafter layers do; serve it with dspark or vLLM (--format speculators)"
+        )
     rope_type = (layers.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type != "default":
         raise DSparkError(f"the target uses '{rope_type}' RoPE scaling, which this GGUF export does not describe yet")
@@ -130,8 +137,14 @@ def float32_gguf(source: Path, path: Path) -> Path:
     arch = reader.fields["general.architecture"].contents()
     partial = path.with_name(path.name + ".partial")
     writer = GGUFWriter(str(partial), arch)
-    copy_fields(reader, writer, lambda name: not name.startswith("GGUF.") and name not in (
-        "general.architecture", "general.file_type", "general.quantization_version"))
+    copy_fields(
+        reader,
+        writer,
+        lambda name: (
+            not name.startswith("GGUF.")
+            and name not in ("general.architecture", "general.file_type", "general.quantization_version")
+        ),
+    )
     writer.add_file_type(LlamaFileType.ALL_F32)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.ascontiguousarray(dequantize(tensor.data, tensor.tensor_type), np.float32))
@@ -154,8 +167,10 @@ def export_gguf(drafter, target, out: Path, dtype: torch.dtype, target_gguf: Pat
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     if tokens is None or len(tokens.data) != target.vocab_size:
         have = "no vocabulary" if tokens is None else f"{len(tokens.data)} tokens"
-        raise DSparkError(f"{target_gguf} has {have}, but the target has {target.vocab_size}: pass the GGUF of the "
-                          "same target model with --target-gguf")
+        raise DSparkError(
+            f"{target_gguf} has {have}, but the target has {target.vocab_size}: pass the GGUF of the "
+            "same target model with --target-gguf"
+        )
 
     config, layers = drafter.config, layer_config(target.config)
     path = out / f"{target.name}-dspark-draft.gguf"

@@ -73,17 +73,22 @@ def export_deepspec(drafter, target, out: Path, dtype: torch.dtype) -> None:
     check_portable(drafter, "deepspec")
     config = drafter.config
     if drafter.d2t is not None:
-        raise DSparkError("--format deepspec has no reduced draft vocabulary, and this drafter drafts from "
-                          f"{drafter.draft_vocab_size} of {target.vocab_size} tokens; export it with --format "
-                          "speculators or gguf, or train with --draft-vocab-size 0 for DeepSpec")
+        raise DSparkError(
+            "--format deepspec has no reduced draft vocabulary, and this drafter drafts from "
+            f"{drafter.draft_vocab_size} of {target.vocab_size} tokens; export it with --format "
+            "speculators or gguf, or train with --draft-vocab-size 0 for DeepSpec"
+        )
     tensors = _drafter_tensors(drafter, dtype)
     tensors["embed_tokens.weight"] = target.embed_tokens.weight.detach().cpu().to(dtype).contiguous()
     tensors["lm_head.weight"] = target.lm_head.weight.detach().cpu().to(dtype).contiguous()
     meta = dict(layer_config(target.config))
     meta.update(
-        architectures=[DEEPSPEC_ARCHITECTURE], num_hidden_layers=config.num_draft_layers,
-        target_layer_ids=list(config.target_layer_ids), tie_word_embeddings=False,
-        torch_dtype=str(dtype).removeprefix("torch."), **_shared(config),
+        architectures=[DEEPSPEC_ARCHITECTURE],
+        num_hidden_layers=config.num_draft_layers,
+        target_layer_ids=list(config.target_layer_ids),
+        tie_word_embeddings=False,
+        torch_dtype=str(dtype).removeprefix("torch."),
+        **_shared(config),
     )
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -120,16 +125,20 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 def _check_target_tensor(tensors, name: str, expected: torch.Tensor, path: Path) -> None:
     if name in tensors and not torch.equal(tensors[name], expected.detach().cpu().to(tensors[name].dtype)):
-        raise DSparkError(f"{path}: {name} differs from the loaded target's; this drafter was trained against "
-                          "other weights of the target (load the exact checkpoint it was trained for)")
+        raise DSparkError(
+            f"{path}: {name} differs from the loaded target's; this drafter was trained against "
+            "other weights of the target (load the exact checkpoint it was trained for)"
+        )
 
 
 def read_foreign(path: Path, target) -> tuple[DSparkConfig, dict[str, torch.Tensor]]:
     """A speculators or DeepSpec DSpark folder as a dspark config and state dict for this target."""
     fmt = detect(path)
     if fmt is None:
-        raise DSparkError(f"{path} is neither a speculators DSpark folder (speculators_model_type 'dspark') nor a "
-                          f"DeepSpec one (architectures ['{DEEPSPEC_ARCHITECTURE}'])")
+        raise DSparkError(
+            f"{path} is neither a speculators DSpark folder (speculators_model_type 'dspark') nor a "
+            f"DeepSpec one (architectures ['{DEEPSPEC_ARCHITECTURE}'])"
+        )
     meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
     where = f"{path}/config.json"
     tensors = _read_tensors(path)
@@ -138,8 +147,10 @@ def read_foreign(path: Path, target) -> tuple[DSparkConfig, dict[str, torch.Tens
         if fmt == "speculators":
             layers = meta["transformer_layer_config"]
             if meta.get("sample_from_anchor") is False:
-                raise DSparkError(f"{where}: sample_from_anchor is false (the anchor slot is a bonus token, as in "
-                                  "DFlash); dspark drafters predict from the anchor slot, so this drafter cannot run here")
+                raise DSparkError(
+                    f"{where}: sample_from_anchor is false (the anchor slot is a bonus token, as in "
+                    "DFlash); dspark drafters predict from the anchor slot, so this drafter cannot run here"
+                )
             layer_ids = [i - 1 for i in meta["aux_hidden_state_layer_ids"]]
             draft_vocab = int(meta.get("draft_vocab_size") or vocab)
         else:
@@ -151,8 +162,13 @@ def read_foreign(path: Path, target) -> tuple[DSparkConfig, dict[str, torch.Tens
         raise DSparkError(f"{where} lacks the field {e}; it is not a complete {fmt} DSpark config") from e
     check_layer_config(layers, target.config, where)
     fields = {k: meta[k] for k in SHARED_FIELDS if k in meta}
-    config = DSparkConfig(backbone="qwen3", num_draft_layers=num_layers, target_layer_ids=layer_ids,
-                          draft_vocab_size=0 if draft_vocab == vocab else draft_vocab, **fields)
+    config = DSparkConfig(
+        backbone="qwen3",
+        num_draft_layers=num_layers,
+        target_layer_ids=layer_ids,
+        draft_vocab_size=0 if draft_vocab == vocab else draft_vocab,
+        **fields,
+    )
     config.validate(target.config.num_hidden_layers, vocab)
 
     if config.draft_vocab_size:

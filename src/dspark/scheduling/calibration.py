@@ -7,7 +7,6 @@ expected calibration error against observed prefix survival, earlier temperature
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,18 +106,25 @@ def report(rounds: Rounds, temperatures: list[float]) -> list[dict]:
     for k in range(gamma):
         sel = rounds.verified[:, k]
         label = rounds.survived[sel, k]
-        rows.append({"position": k + 1, "rounds": int(sel.sum()), "observed_survival": round(float(label.float().mean()), 4) if sel.any() else None,
-                     "ece_before": round(ece(before[sel, k], label), 4), "ece_after": round(ece(after[sel, k], label), 4),
-                     "auroc": round(auroc(after[sel, k], label), 4),
-                     "brier_before": round(brier(before[sel, k], label), 4), "brier_after": round(brier(after[sel, k], label), 4)})
+        rows.append(
+            {
+                "position": k + 1,
+                "rounds": int(sel.sum()),
+                "observed_survival": round(float(label.float().mean()), 4) if sel.any() else None,
+                "ece_before": round(ece(before[sel, k], label), 4),
+                "ece_after": round(ece(after[sel, k], label), 4),
+                "auroc": round(auroc(after[sel, k], label), 4),
+                "brier_before": round(brier(before[sel, k], label), 4),
+                "brier_after": round(brier(after[sel, k], label), 4),
+            }
+        )
     return rows
 
 
 def reliability_plot(rounds: Rounds, temperatures: list[float], path, positions=(1, 2, 3), bins: int = 10) -> None:
-    import matplotlib
+    from dspark.extras import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     gamma = rounds.logits.shape[1]
     fig, axes = plt.subplots(1, len(positions), figsize=(4 * len(positions), 4))
@@ -150,8 +156,9 @@ def read_temperatures(file: str | Path) -> list[float]:
     fix = "make one with `dspark calibrate`"
     data = read_json(file, "calibration file", fix)
     temps = data.get("sts_temperatures") if isinstance(data, dict) else None
-    if not (isinstance(temps, list) and temps and all(type(t) in (int, float) and math.isfinite(t) and t > 0
-                                                      for t in temps)):
+    if not (
+        isinstance(temps, list) and temps and all(type(t) in (int, float) and math.isfinite(t) and t > 0 for t in temps)
+    ):
         raise DSparkError(f"calibration file {file} has no sts_temperatures (a list of positive numbers); {fix}")
     return [float(t) for t in temps]
 

@@ -1,5 +1,5 @@
-"""The prefix scheduler (docs/design.md §5, the paper's Algorithm 1): how many draft tokens each request verifies,
-from the drafter's confidences and the engine's measured cost table."""
+"""The confidence schedulers (docs/design.md §5): how many draft tokens each request verifies, from the drafter's
+confidences and the engine's measured cost table. Both implement decoding.policy.VerifyPolicy."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 from dspark.decoding.policy import confidences
 from dspark.scheduling.calibration import drafter_temperatures, read_temperatures
-from dspark.scheduling.profile import CostTable, cached_cost_table
+from dspark.scheduling.profile import CostTable
 
 
 class PrefixScheduler:
@@ -91,10 +91,13 @@ class ProductionScheduler:
 SCHEDULERS = {"algorithm1": PrefixScheduler, "production": ProductionScheduler}
 
 
-def build_scheduler(target, drafter_path, cost_table: str | None = None, calibration: str | None = None,
-                    kind: str = "algorithm1"):
+def build_scheduler(
+    target, drafter_path, cost_table: str | None = None, calibration: str | None = None, kind: str = "algorithm1"
+):
     """A confidence scheduler with the given cost table (else this machine's, profiled once and cached) and the
     given STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none)."""
+    from dspark.autotune import cached_cost_table
+
     cost = CostTable.load(cost_table) if cost_table else cached_cost_table(target)
     temps = read_temperatures(calibration) if calibration else drafter_temperatures(drafter_path)
     return SCHEDULERS[kind](cost, temps)

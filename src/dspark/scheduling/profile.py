@@ -15,7 +15,6 @@ import torch
 
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_write_json, read_json
-from dspark.models import machine_cache_file
 
 
 @dataclass
@@ -60,8 +59,9 @@ class CostTable:
 
 
 @torch.no_grad()
-def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7,
-                   batch_sizes=(1,)) -> CostTable:
+def profile_target(
+    target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7, batch_sizes=(1,)
+) -> CostTable:
     """Median time of the engine's verify forward (logits and drafter features) over n new tokens per row on a
     `context`-token cache (rolled back after each), for each batch size. The table is indexed by the tokens a
     forward carries in total (batch x tokens per row); every measurement is kept in meta["grid"]."""
@@ -81,19 +81,14 @@ def profile_target(target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: 
             grid.append({"batch_size": batch, "tokens_per_row": n, "ms": ms})
             by_total.setdefault(batch * n, []).append(ms)
     totals = sorted(by_total)
-    return CostTable(totals, [round(sum(by_total[t]) / len(by_total[t]), 3) for t in totals],
-                     {"dtype": str(target.dtype).replace("torch.", ""), "context": context, "grid": grid,
-                      "threads": torch.get_num_threads(), "target": target.name})
-
-
-def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
-    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
-    read from the dspark cache."""
-    # The product forms are part of the key: a table measured in other forms would be stale.
-    form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
-    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form)
-    if path.exists():
-        return CostTable.load(path)
-    table = profile_target(target, token_counts, repeats=repeats)
-    table.save(path)
-    return table
+    return CostTable(
+        totals,
+        [round(sum(by_total[t]) / len(by_total[t]), 3) for t in totals],
+        {
+            "dtype": str(target.dtype).replace("torch.", ""),
+            "context": context,
+            "grid": grid,
+            "threads": torch.get_num_threads(),
+            "target": target.name,
+        },
+    )

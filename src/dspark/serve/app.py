@@ -18,7 +18,6 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from itertools import count
-
 from typing import Literal
 
 from fastapi import FastAPI, Request
@@ -106,19 +105,38 @@ class CompletionBody(GenerationBody):
 
 
 # Fields of the OpenAI API this server does not implement: refused by name with a 400 that says so.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-               "audio", "modalities", "prediction", "web_search_options", "suffix")
+UNSUPPORTED = (
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "audio",
+    "modalities",
+    "prediction",
+    "web_search_options",
+    "suffix",
+)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.param = status, message, kind, code, param
 
     def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+        return JSONResponse(
+            {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}},
+            status_code=self.status,
+        )
 
 
 def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
@@ -159,8 +177,9 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
         message = e.detail if isinstance(e.detail, str) else "bad request"
         if e.status_code == 400 and "parsing the body" in message:
             message = "the request body is not valid JSON (or is not UTF-8, or nests too deeply)"
-        return ApiError(e.status_code, message, "invalid_request_error" if e.status_code < 500 else "server_error"
-                        ).response()
+        return ApiError(
+            e.status_code, message, "invalid_request_error" if e.status_code < 500 else "server_error"
+        ).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_request, e: Exception):  # the last line of defence: still the OpenAI shape
@@ -170,15 +189,23 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
     async def guard(request: Request, call_next):
         if request.url.path.startswith("/v1/"):
             if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
-                return ApiError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                                "authentication_error", "invalid_api_key").response()
+                return ApiError(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                    "authentication_error",
+                    "invalid_api_key",
+                ).response()
             size = request.headers.get("content-length")
             if request.method == "POST" and size is None:  # a body of unknown length could be any size
-                return ApiError(411, "send the request body with a Content-Length header",
-                                code="length_required").response()
+                return ApiError(
+                    411, "send the request body with a Content-Length header", code="length_required"
+                ).response()
             if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
-                return ApiError(413, f"request body of {size} bytes is over the limit of {config.max_body_bytes}",
-                                code="request_too_large").response()
+                return ApiError(
+                    413,
+                    f"request body of {size} bytes is over the limit of {config.max_body_bytes}",
+                    code="request_too_large",
+                ).response()
         return await call_next(request)
 
     app.add_middleware(WholeBody, seconds=config.body_timeout_seconds, limit=config.max_body_bytes)
@@ -193,33 +220,47 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dspark"}]}
+        return {
+            "object": "list",
+            "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "dspark"}],
+        }
 
-    def prepare(body: GenerationBody, prompt: list[int], top_logprobs: int | None
-                ) -> tuple[RequestState, SamplingParams, list[str]]:
+    def prepare(
+        body: GenerationBody, prompt: list[int], top_logprobs: int | None
+    ) -> tuple[RequestState, SamplingParams, list[str]]:
         if body.model != config.model_name:
-            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{config.model_name}'",
-                           code="model_not_found", param="model")
+            raise ApiError(
+                404,
+                f"model '{body.model}' is not served here; this server serves '{config.model_name}'",
+                code="model_not_found",
+                param="model",
+            )
         if not state["accepting"]:
             raise ApiError(503, "the server is shutting down", "server_error")
         # max_completion_tokens replaces the older max_tokens, and wins where both are given (as in the OpenAI API)
-        field, wanted = next(((f, getattr(body, f)) for f in ("max_completion_tokens", "max_tokens")
-                              if getattr(body, f) is not None), ("max_tokens", None))
+        field, wanted = next(
+            ((f, getattr(body, f)) for f in ("max_completion_tokens", "max_tokens") if getattr(body, f) is not None),
+            ("max_tokens", None),
+        )
         if wanted is not None and not 1 <= wanted <= config.max_tokens_limit:
             raise ApiError(400, f"{field} must be between 1 and {config.max_tokens_limit}, got {wanted}", param=field)
         room = (window or 1 << 62) - len(prompt)
         if room <= 0 or (wanted is not None and wanted > room):
             asked = f" + {field} {wanted}" if wanted is not None else ""
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens{asked}, over this model's context window of "
-                           f"{window} tokens; shorten the prompt{' or lower ' + field if wanted else ''}",
-                           code="context_length_exceeded", param="messages" if isinstance(body, ChatBody) else "prompt")
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens{asked}, over this model's context window of "
+                f"{window} tokens; shorten the prompt{' or lower ' + field if wanted else ''}",
+                code="context_length_exceeded",
+                param="messages" if isinstance(body, ChatBody) else "prompt",
+            )
         if loop_.load() >= config.max_concurrent:
             raise ApiError(429, f"{config.max_concurrent} requests are in flight; retry later", "rate_limit_error")
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         try:
-            request = RequestState(next(ids), prompt, wanted or config.default_max_tokens, stop_ids, window,
-                                   top_logprobs=top_logprobs)
+            request = RequestState(
+                next(ids), prompt, wanted or config.default_max_tokens, stop_ids, window, top_logprobs=top_logprobs
+            )
             sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
         except DSparkError as e:
             raise ApiError(400, str(e)) from e
@@ -242,11 +283,19 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
             raise ApiError(500, f"generation failed: {error}", "server_error")
         if reason == "shutdown":
             raise ApiError(503, "the server shut down before this request finished; retry", "server_error")
-        logprobs = render_logprobs(tokenizer, request.logprobs[: pieces.tokens], chat) if top_logprobs is not None else None
+        logprobs = (
+            render_logprobs(tokenizer, request.logprobs[: pieces.tokens], chat) if top_logprobs is not None else None
+        )
         choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
         choice.update({"message": {"role": "assistant", "content": pieces.text}} if chat else {"text": pieces.text})
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": body.model, "choices": [choice], "usage": usage(len(prompt), pieces.tokens)}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": [choice],
+            "usage": usage(len(prompt), pieces.tokens),
+        }
 
     async def collect(sub: Submission, pieces: TextPieces):
         while True:
@@ -275,8 +324,13 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
                 choice["delta"] = delta
             else:
                 choice["text"] = delta.get("content", "")
-            data = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                    "model": model, "choices": [choice]}
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [choice],
+            }
             if usage_:
                 data["usage"] = usage_
             return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
@@ -372,8 +426,9 @@ def validation_error(errors: list) -> ApiError:
     where = ".".join(loc) or None
     if first.get("type") == "extra_forbidden" and loc:
         if loc[-1] in UNSUPPORTED:
-            return ApiError(400, f"'{loc[-1]}' is not supported by this server", code="unsupported_parameter",
-                            param=where)
+            return ApiError(
+                400, f"'{loc[-1]}' is not supported by this server", code="unsupported_parameter", param=where
+            )
         return ApiError(400, f"unrecognized request argument: {where}", code="unknown_parameter", param=where)
     message = first.get("msg", "invalid request")
     if loc and loc[-1] in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of"):
@@ -383,18 +438,25 @@ def validation_error(errors: list) -> ApiError:
 
 def render_logprobs(tokenizer, entries: list[TokenLogprob], chat: bool) -> dict:
     """Log-probabilities in the OpenAI shapes: chat's `content` list, or the legacy completions columns."""
+
     def text(token: int) -> str:
         return tokenizer.decode([token])
 
     if chat:
+
         def item(token, logprob):
             piece = text(token)
             return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
 
-        return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top])
-                            for e in entries]}
-    return {"tokens": [text(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries], "text_offset": []}
+        return {
+            "content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top]) for e in entries]
+        }
+    return {
+        "tokens": [text(e.token) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": [],
+    }
 
 
 class WholeBody:
@@ -424,11 +486,13 @@ class WholeBody:
         try:
             body = await asyncio.wait_for(read(), self.seconds)
         except asyncio.TimeoutError:
-            return await ApiError(408, f"the request body did not arrive whole within {self.seconds:g} s",
-                                  code="request_timeout").response()(scope, receive, send)
+            return await ApiError(
+                408, f"the request body did not arrive whole within {self.seconds:g} s", code="request_timeout"
+            ).response()(scope, receive, send)
         except OverflowError:
-            return await ApiError(413, f"request body over the limit of {self.limit} bytes",
-                                  code="request_too_large").response()(scope, receive, send)
+            return await ApiError(
+                413, f"request body over the limit of {self.limit} bytes", code="request_too_large"
+            ).response()(scope, receive, send)
         if body is None:
             return None
         delivered = False
@@ -448,5 +512,8 @@ def finish_reason(reason: str) -> str:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

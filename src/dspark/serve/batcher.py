@@ -114,7 +114,7 @@ class EngineLoop:
                 try:
                     self._step(batch)
                     self.metrics.batch_rows.observe(len(rows))
-                except Exception:  # noqa: BLE001 - a failed round fails only the rows that fail alone
+                except Exception:
                     batch = self._isolate(rows)
             self.metrics.active.set(len(self.active))
         self._end_all(batch, "cancelled")
@@ -127,7 +127,7 @@ class EngineLoop:
             gens = [s.sampling.generators(1)[0] for s in subs]
             self.engine.admit(batch, [s.request for s in subs], [s.sampling for s in subs], gens, self._emit)
             self.metrics.prompt_tokens.inc(sum(len(s.request.prompt) for s in subs))
-        except Exception as e:  # noqa: BLE001 - one bad request must not end the server, nor fail another
+        except Exception as e:
             if len(subs) > 1:
                 for sub in subs:
                     self._admit(batch, [sub])
@@ -155,7 +155,7 @@ class EngineLoop:
                 self._step(alone)
                 if alone.rows:
                     self.engine.merge(fresh, alone)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 if row.request.index in self.active:
                     self._fail(sub, e)
         return fresh

@@ -20,23 +20,35 @@ class ServerMetrics:
         self.rounds = Counter("dspark_rounds", "decoding rounds, summed over requests", registry=r)
         self.verified = Counter("dspark_verified_draft_tokens", "draft tokens sent to verification", registry=r)
         self.accepted = Counter("dspark_accepted_draft_tokens", "draft tokens accepted", registry=r)
-        self.tau = Gauge("dspark_tau", "tokens per round (accepted drafts + the target's own), all requests so far",
-                         registry=r)
-        self.verified_per_round = Gauge("dspark_verified_per_round", "draft tokens verified per request and round",
-                                        registry=r)
-        self.accept_by_position = Gauge("dspark_accept_by_position",
-                                        "P(draft position k accepted | 1..k-1 accepted and k verified)", ["k"],
-                                        registry=r)
+        self.tau = Gauge(
+            "dspark_tau", "tokens per round (accepted drafts + the target's own), all requests so far", registry=r
+        )
+        self.verified_per_round = Gauge(
+            "dspark_verified_per_round", "draft tokens verified per request and round", registry=r
+        )
+        self.accept_by_position = Gauge(
+            "dspark_accept_by_position",
+            "P(draft position k accepted | 1..k-1 accepted and k verified)",
+            ["k"],
+            registry=r,
+        )
         self.queue_depth = Gauge("dspark_queue_depth", "requests waiting to join the batch", registry=r)
         self.active = Gauge("dspark_active_requests", "requests in the batch", registry=r)
-        self.batch_rows = Histogram("dspark_batch_rows", "rows per engine round", registry=r,
-                                    buckets=(1, 2, 4, 8, 16, 32, 64))
-        self.ttft = Histogram("dspark_time_to_first_token_seconds", "submission to first token", registry=r,
-                              buckets=LATENCY_BUCKETS)
-        self.latency = Histogram("dspark_request_latency_seconds", "submission to last token", registry=r,
-                                 buckets=LATENCY_BUCKETS)
-        self.latency_quantile = Gauge("dspark_request_latency_quantile_seconds",
-                                      "latency percentiles over the last 1000 requests", ["quantile"], registry=r)
+        self.batch_rows = Histogram(
+            "dspark_batch_rows", "rows per engine round", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64)
+        )
+        self.ttft = Histogram(
+            "dspark_time_to_first_token_seconds", "submission to first token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.latency = Histogram(
+            "dspark_request_latency_seconds", "submission to last token", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.latency_quantile = Gauge(
+            "dspark_request_latency_quantile_seconds",
+            "latency percentiles over the last 1000 requests",
+            ["quantile"],
+            registry=r,
+        )
         self._recent = deque(maxlen=1000)
         self._stats = SpecStats(max(gamma, 1))
 

@@ -14,8 +14,13 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
-                   preferred: torch.Tensor | None = None, preferred_share: float = 0.0):
+def sample_anchors(
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | None = None,
+    preferred: torch.Tensor | None = None,
+    preferred_share: float = 0.0,
+):
     """Up to `num_anchors` distinct candidate positions per row, in increasing order; with `preferred` ([B, L] bool),
     up to round(preferred_share · num_anchors) of them are drawn from the preferred candidates first.
 
@@ -64,8 +69,9 @@ def answer_spans(loss_mask: torch.Tensor) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def leading_runs(drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor,
-                 chunk: int = 128) -> torch.Tensor:
+def leading_runs(
+    drafter, features: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, chunk: int = 128
+) -> torch.Tensor:
     """[B, L]: at every anchor candidate, how many greedy drafts in a row equal the answer text after it (-1 at other
     positions), from the drafter's training forward in chunks of `chunk` anchors per row."""
     mask = loss_mask.bool()
@@ -89,8 +95,13 @@ def rounds_by_row(runs: torch.Tensor, loss_mask: torch.Tensor, gamma: int) -> li
     `leading_runs`."""
     walks = []
     for row_runs, mask in zip(runs.cpu(), loss_mask.cpu()):
-        walks.append([r for first, length in answer_spans(mask)
-                      for r in decoding_rounds(first, length, gamma, lambda p: int(row_runs[p]))])
+        walks.append(
+            [
+                r
+                for first, length in answer_spans(mask)
+                for r in decoding_rounds(first, length, gamma, lambda p: int(row_runs[p]))
+            ]
+        )
     return walks
 
 

@@ -44,8 +44,10 @@ def read_records(path: str | Path) -> list[dict]:
     normalised 'messages'. Ids must be unique: they are how regeneration and resumed runs know what is done."""
     path = Path(path)
     if path.suffix == ".txt":
-        records = [{"id": f"{path.stem}-{n}", "messages": [{"role": "user", "content": line.strip()}]}
-                   for n, line in jsonl_lines(path)]
+        records = [
+            {"id": f"{path.stem}-{n}", "messages": [{"role": "user", "content": line.strip()}]}
+            for n, line in jsonl_lines(path)
+        ]
     else:
         records = []
         for (n, _), record in zip(jsonl_lines(path), read_jsonl(path)):
@@ -71,8 +73,10 @@ def read_records(path: str | Path) -> list[dict]:
     for r in records:
         line = r.pop("_line", None)
         if r["id"] in first_line:
-            raise DSparkError(f"{path}: id {r['id']!r} appears twice (lines {first_line[r['id']]} and {line}); "
-                              "every record needs its own id")
+            raise DSparkError(
+                f"{path}: id {r['id']!r} appears twice (lines {first_line[r['id']]} and {line}); "
+                "every record needs its own id"
+            )
         first_line[r["id"]] = line
     return records
 
@@ -95,7 +99,7 @@ def assistant_tokens(tokenizer, history: list[dict], answer: dict) -> list[int]:
         prefix = prompt_ids(tokenizer, history)
         full = tokenizer.apply_chat_template(history + [answer], tokenize=True, return_dict=True)["input_ids"]
         if list(full[: len(prefix)]) == list(prefix):
-            return list(full[len(prefix):])
+            return list(full[len(prefix) :])
     return tokenizer.encode(answer["content"], add_special_tokens=False) + [tokenizer.eos_token_id]
 
 

@@ -111,12 +111,15 @@ class CachedFeatures:
         expected = 0
         for shard in self.shards:
             if shard.index["target"] != identity or shard.first != expected:
-                raise DSparkError("the feature cache was built for other data or another target; delete it or pick "
-                                  "a new folder")
+                raise DSparkError(
+                    "the feature cache was built for other data or another target; delete it or pick a new folder"
+                )
             expected += shard.count
         if expected != len(examples):
-            raise DSparkError(f"the feature cache holds {expected} examples, the data {len(examples)}; it was built "
-                              "for other data: delete it or pick a new folder")
+            raise DSparkError(
+                f"the feature cache holds {expected} examples, the data {len(examples)}; it was built "
+                "for other data: delete it or pick a new folder"
+            )
 
     def _locate(self, index: int) -> tuple[CacheShard, int, int]:
         shard = next(s for s in reversed(self.shards) if s.first <= index)
@@ -137,8 +140,9 @@ class CachedFeatures:
             q_ids[i, :n] = torch.from_numpy(np.array(shard.q_ids[start : start + n])).long()
         dev = self.device
         q_probs, q_ids = q_probs.to(dev), q_ids.to(dev)
-        return TargetBatch(ids.to(dev), mask.to(dev), feats.to(dev),
-                           lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos]))
+        return TargetBatch(
+            ids.to(dev), mask.to(dev), feats.to(dev), lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos])
+        )
 
 
 def build_feature_cache(folder: str | Path, target, examples: list[Example], topk: int, batch_size: int = 8) -> None:
@@ -150,8 +154,7 @@ def build_feature_cache(folder: str | Path, target, examples: list[Example], top
     folder = Path(folder)
     held = sum(shard.count for shard in cache_shards(folder))
     if held < len(examples):
-        write_cache_shard(folder / f"from-{held}" if held else folder, target, examples[held:], held, topk,
-                          batch_size)
+        write_cache_shard(folder / f"from-{held}" if held else folder, target, examples[held:], held, topk, batch_size)
 
 
 def write_cache_shard(folder: Path, target, examples: list[Example], first: int, topk: int, batch_size: int) -> None:
@@ -178,6 +181,13 @@ def write_cache_shard(folder: Path, target, examples: list[Example], first: int,
                 q_ids[a : a + n] = q.ids.int().cpu().numpy()
         for m in (features, q_probs, q_ids):
             m.flush()
-        index = {"tokens": total, "feature_dim": width, "topk": topk, "offsets": offsets, "first_example": first,
-                 "num_examples": len(examples), "target": target.identity()}
+        index = {
+            "tokens": total,
+            "feature_dim": width,
+            "topk": topk,
+            "offsets": offsets,
+            "first_example": first,
+            "num_examples": len(examples),
+            "target": target.identity(),
+        }
         (tmp / "index.json").write_text(json.dumps(index))

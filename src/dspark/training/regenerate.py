@@ -40,11 +40,15 @@ def completed_ids(path: Path) -> set[str]:
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise DSparkError(f"{path}:{n}: not valid JSON ({e}); this is not a regenerate output file, or it was "
-                              "damaged. Fix or remove that line, or choose another --out") from e
+            raise DSparkError(
+                f"{path}:{n}: not valid JSON ({e}); this is not a regenerate output file, or it was "
+                "damaged. Fix or remove that line, or choose another --out"
+            ) from e
         if not isinstance(record, dict) or "id" not in record or "assistant_token_ids" not in record:
-            raise DSparkError(f"{path}:{n}: not a regenerated record (no id / assistant_token_ids); --out must be a new "
-                              "file or the output of an earlier `dspark regenerate` run, never the prompts file")
+            raise DSparkError(
+                f"{path}:{n}: not a regenerated record (no id / assistant_token_ids); --out must be a new "
+                "file or the output of an earlier `dspark regenerate` run, never the prompts file"
+            )
         done.add(record["id"])
     if torn:
         with path.open("rb+") as f:
@@ -78,8 +82,12 @@ def regenerate(
 
         backend = backend_identity(llm)
         answers = stream_llama(llm, queue, max_new_tokens, sampling, target.stop_token_ids)
-    meta = {"sampling": vars(sampling), "max_new_tokens": max_new_tokens, "target": target.identity(),
-            "backend": backend}
+    meta = {
+        "sampling": vars(sampling),
+        "max_new_tokens": max_new_tokens,
+        "target": target.identity(),
+        "backend": backend,
+    }
 
     # Each conversation keeps the user/system messages; assistant messages are replaced by the target's answers.
     state = {}
@@ -114,10 +122,12 @@ def regenerate(
                 queue.extend(kept)
             s = state[rid]
             tokens += len(result.token_ids)
-            s["messages"].append({"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)})
+            s["messages"].append(
+                {"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)}
+            )
             s["ids"].append(result.token_ids)
             s["finish"].append(result.finish_reason)
-            if any(m["role"] == "user" for m in s["source"][s["next"]:]):
+            if any(m["role"] == "user" for m in s["source"][s["next"] :]):
                 schedule(rid, follow_up=True)
                 continue
             record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
@@ -134,5 +144,11 @@ def regenerate(
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")
     bar.close()
     seconds = time.perf_counter() - start
-    return {"records_written": written, "records_left": len(todo) - written, "skipped_done": len(done), "new_tokens": tokens, "seconds": round(seconds, 1),
-            "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0}
+    return {
+        "records_written": written,
+        "records_left": len(todo) - written,
+        "skipped_done": len(done),
+        "new_tokens": tokens,
+        "seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / seconds, 1) if seconds else 0.0,
+    }

@@ -34,9 +34,9 @@ CODE_PREFIX = "Write a solution to the following problem and make sure that it p
 # ---- chat --------------------------------------------------------------------------------------------------------
 def chat_prompts(rng: random.Random) -> list[list[str]]:
     """User turns (1 or 2) from each chitchat conversation: one speaker's consecutive messages form a turn."""
-    import chitchat_dataset
+    from dspark.extras import chitchat_conversations_file
 
-    data = json.loads((Path(chitchat_dataset.__file__).parent / "dataset.json").read_text())
+    data = json.loads(chitchat_conversations_file().read_text())
     conversations = []
     for conv in data.values():
         groups = conv["messages"]
@@ -114,16 +114,105 @@ def math_prompts(rng: random.Random, count: int) -> list[list[str]]:
 
 # ---- code --------------------------------------------------------------------------------------------------------
 STDLIB_MODULES = [
-    "textwrap", "string", "posixpath", "shutil", "json", "csv", "fractions", "statistics", "heapq", "bisect",
-    "random", "calendar", "collections", "functools", "difflib", "html", "urllib.parse", "base64", "ipaddress",
-    "glob", "fnmatch", "shlex", "colorsys", "copy", "pprint", "re", "operator", "zipfile", "tarfile", "email.utils",
-    "inspect", "keyword", "decimal", "secrets", "uuid", "datetime", "os", "tempfile", "gzip", "wave", "quopri",
-    "uu", "mimetypes", "netrc", "filecmp", "linecache", "tokenize", "ast", "dis", "gettext", "locale", "codecs",
-    "numbers", "enum", "dataclasses", "typing", "contextlib", "abc", "traceback", "warnings", "logging", "argparse",
-    "getopt", "sched", "queue", "threading", "subprocess", "socket", "selectors", "http.cookies", "http.client",
-    "urllib.request", "xml.dom.minidom", "xml.etree.ElementTree", "plistlib", "configparser", "tomllib", "zlib",
-    "hashlib", "hmac", "binascii", "struct", "array", "weakref", "types", "itertools", "math", "cmath", "pathlib",
-    "ntpath", "stat", "fileinput", "imghdr", "sndhdr", "chunk", "graphlib", "reprlib", "string", "unicodedata",
+    "textwrap",
+    "string",
+    "posixpath",
+    "shutil",
+    "json",
+    "csv",
+    "fractions",
+    "statistics",
+    "heapq",
+    "bisect",
+    "random",
+    "calendar",
+    "collections",
+    "functools",
+    "difflib",
+    "html",
+    "urllib.parse",
+    "base64",
+    "ipaddress",
+    "glob",
+    "fnmatch",
+    "shlex",
+    "colorsys",
+    "copy",
+    "pprint",
+    "re",
+    "operator",
+    "zipfile",
+    "tarfile",
+    "email.utils",
+    "inspect",
+    "keyword",
+    "decimal",
+    "secrets",
+    "uuid",
+    "datetime",
+    "os",
+    "tempfile",
+    "gzip",
+    "wave",
+    "quopri",
+    "uu",
+    "mimetypes",
+    "netrc",
+    "filecmp",
+    "linecache",
+    "tokenize",
+    "ast",
+    "dis",
+    "gettext",
+    "locale",
+    "codecs",
+    "numbers",
+    "enum",
+    "dataclasses",
+    "typing",
+    "contextlib",
+    "abc",
+    "traceback",
+    "warnings",
+    "logging",
+    "argparse",
+    "getopt",
+    "sched",
+    "queue",
+    "threading",
+    "subprocess",
+    "socket",
+    "selectors",
+    "http.cookies",
+    "http.client",
+    "urllib.request",
+    "xml.dom.minidom",
+    "xml.etree.ElementTree",
+    "plistlib",
+    "configparser",
+    "tomllib",
+    "zlib",
+    "hashlib",
+    "hmac",
+    "binascii",
+    "struct",
+    "array",
+    "weakref",
+    "types",
+    "itertools",
+    "math",
+    "cmath",
+    "pathlib",
+    "ntpath",
+    "stat",
+    "fileinput",
+    "imghdr",
+    "sndhdr",
+    "chunk",
+    "graphlib",
+    "reprlib",
+    "string",
+    "unicodedata",
 ]
 
 
@@ -163,7 +252,9 @@ def _documented_functions(module_names: list[str], library: bool = False) -> lis
             elif inspect.isfunction(obj) or inspect.isbuiltin(obj):
                 members.append((attr, obj))
             elif inspect.isclass(obj) and getattr(obj, "__module__", "") == module.__name__:
-                members += [(f"{attr}.{m}", f) for m, f in vars(obj).items() if not m.startswith("_") and inspect.isfunction(f)]
+                members += [
+                    (f"{attr}.{m}", f) for m, f in vars(obj).items() if not m.startswith("_") and inspect.isfunction(f)
+                ]
         for qual, obj in members:
             doc = inspect.getdoc(obj) or ""
             doc = _doc_digest(doc.strip()) if library else doc.strip()
@@ -187,9 +278,32 @@ def _documented_functions(module_names: list[str], library: bool = False) -> lis
 SECTION_HEADER = re.compile(r"^[ \t]*\w[\w ]*\n[ \t]*(?:-{3,}|={3,})[ \t]*$", re.M)
 
 
-THIRD_PERSON_VERBS = {"Returns", "Computes", "Finds", "Generates", "Checks", "Creates", "Tests", "Transforms",
-                      "Calculates", "Converts", "Determines", "Counts", "Adds", "Removes", "Gets", "Builds",
-                      "Constructs", "Evaluates", "Estimates", "Selects", "Draws", "Writes", "Reads", "Gives"}
+THIRD_PERSON_VERBS = {
+    "Returns",
+    "Computes",
+    "Finds",
+    "Generates",
+    "Checks",
+    "Creates",
+    "Tests",
+    "Transforms",
+    "Calculates",
+    "Converts",
+    "Determines",
+    "Counts",
+    "Adds",
+    "Removes",
+    "Gets",
+    "Builds",
+    "Constructs",
+    "Evaluates",
+    "Estimates",
+    "Selects",
+    "Draws",
+    "Writes",
+    "Reads",
+    "Gives",
+}
 
 
 def _doc_digest(doc: str, max_example_lines: int = 8) -> str:
@@ -199,7 +313,7 @@ def _doc_digest(doc: str, max_example_lines: int = 8) -> str:
     if header is None:
         return doc
     examples, in_example = [], False
-    for line in doc[header.start():].splitlines():
+    for line in doc[header.start() :].splitlines():
         stripped = line.strip()
         if stripped.startswith((">>>", "...")):
             in_example = True
@@ -268,14 +382,58 @@ def code_prompts(rng: random.Random, count: int, functions=None) -> list[list[st
 
 
 # ---- instructions ------------------------------------------------------------------------------------------------
-TOPICS = ["the ocean", "autumn", "a city at night", "friendship", "learning to code", "a rainy day", "mountains",
-          "coffee", "a lighthouse", "the first day of school", "space travel", "a small garden", "old books",
-          "a train journey", "winter mornings", "a busy kitchen", "an abandoned house", "a desert", "the moon",
-          "a music festival", "grandparents", "a lost key", "city parks", "a bakery at dawn", "robots"]
-ACTIVITIES = ["studying for exams", "saving money", "sleeping better", "learning a language", "running a meeting",
-              "starting to exercise", "writing clean code", "cooking for a family", "moving to a new city"]
-CONCEPTS = ["photosynthesis", "inflation", "machine learning", "the water cycle", "gravity", "compound interest",
-            "how vaccines work", "recursion", "supply and demand", "climate change", "the internet", "electricity"]
+TOPICS = [
+    "the ocean",
+    "autumn",
+    "a city at night",
+    "friendship",
+    "learning to code",
+    "a rainy day",
+    "mountains",
+    "coffee",
+    "a lighthouse",
+    "the first day of school",
+    "space travel",
+    "a small garden",
+    "old books",
+    "a train journey",
+    "winter mornings",
+    "a busy kitchen",
+    "an abandoned house",
+    "a desert",
+    "the moon",
+    "a music festival",
+    "grandparents",
+    "a lost key",
+    "city parks",
+    "a bakery at dawn",
+    "robots",
+]
+ACTIVITIES = [
+    "studying for exams",
+    "saving money",
+    "sleeping better",
+    "learning a language",
+    "running a meeting",
+    "starting to exercise",
+    "writing clean code",
+    "cooking for a family",
+    "moving to a new city",
+]
+CONCEPTS = [
+    "photosynthesis",
+    "inflation",
+    "machine learning",
+    "the water cycle",
+    "gravity",
+    "compound interest",
+    "how vaccines work",
+    "recursion",
+    "supply and demand",
+    "climate change",
+    "the internet",
+    "electricity",
+]
 
 
 def instruct_prompts(rng: random.Random, count: int) -> list[list[str]]:
@@ -296,31 +454,85 @@ def instruct_prompts(rng: random.Random, count: int) -> list[list[str]]:
 
 
 # ---- assistant requests (MT-Bench's kinds) ------------------------------------------------------------------------
-FORMS = ["blog post", "persuasive essay", "formal email", "short speech", "product review", "cover letter",
-         "newsletter intro", "short story", "limerick", "dialogue between two friends", "press release",
-         "motivational letter", "restaurant review", "museum guide entry"]
-STYLES = ["in under 150 words", "with a catchy title", "for a teenage audience", "in a humorous tone",
-          "using exactly three paragraphs", "with a surprising ending", "in a formal register", "as a numbered list"]
-PERSONAS = ["a pirate captain", "a 19th-century detective", "a tour guide in Kyoto", "a fitness coach",
-            "a medieval blacksmith", "a patient customer support agent", "a famous pastry chef", "an astronaut on Mars",
-            "a librarian who loves mysteries", "a wise old gardener", "a startup founder", "a marine biologist"]
-PERSONA_ASKS = ["What advice would you give to a beginner?", "Describe a typical day in your life.",
-                "What was the hardest decision you ever made?", "How would you convince me to try your craft?",
-                "What do people most often misunderstand about your work?", "Tell me about your favourite tool."]
+FORMS = [
+    "blog post",
+    "persuasive essay",
+    "formal email",
+    "short speech",
+    "product review",
+    "cover letter",
+    "newsletter intro",
+    "short story",
+    "limerick",
+    "dialogue between two friends",
+    "press release",
+    "motivational letter",
+    "restaurant review",
+    "museum guide entry",
+]
+STYLES = [
+    "in under 150 words",
+    "with a catchy title",
+    "for a teenage audience",
+    "in a humorous tone",
+    "using exactly three paragraphs",
+    "with a surprising ending",
+    "in a formal register",
+    "as a numbered list",
+]
+PERSONAS = [
+    "a pirate captain",
+    "a 19th-century detective",
+    "a tour guide in Kyoto",
+    "a fitness coach",
+    "a medieval blacksmith",
+    "a patient customer support agent",
+    "a famous pastry chef",
+    "an astronaut on Mars",
+    "a librarian who loves mysteries",
+    "a wise old gardener",
+    "a startup founder",
+    "a marine biologist",
+]
+PERSONA_ASKS = [
+    "What advice would you give to a beginner?",
+    "Describe a typical day in your life.",
+    "What was the hardest decision you ever made?",
+    "How would you convince me to try your craft?",
+    "What do people most often misunderstand about your work?",
+    "Tell me about your favourite tool.",
+]
 FIELDS = {
     "physics": ["entropy", "superconductivity", "the photoelectric effect", "inertia", "wave interference"],
     "biology": ["natural selection", "cell respiration", "the immune response", "gene expression", "symbiosis"],
     "chemistry": ["chemical equilibrium", "catalysis", "oxidation", "covalent bonding", "pH buffers"],
     "economics": ["opportunity cost", "price elasticity", "comparative advantage", "monetary policy", "externalities"],
-    "history": ["the printing press", "the Silk Road", "the industrial revolution", "the fall of Rome", "the Renaissance"],
+    "history": [
+        "the printing press",
+        "the Silk Road",
+        "the industrial revolution",
+        "the fall of Rome",
+        "the Renaissance",
+    ],
     "philosophy": ["utilitarianism", "stoicism", "the social contract", "free will", "the ship of Theseus"],
-    "computer science": ["hash tables", "public-key cryptography", "garbage collection", "TCP congestion control",
-                         "dynamic programming"],
+    "computer science": [
+        "hash tables",
+        "public-key cryptography",
+        "garbage collection",
+        "TCP congestion control",
+        "dynamic programming",
+    ],
 }
-FOLLOW_UPS = ["Now summarise your answer in one sentence.", "Rewrite your answer for a five-year-old.",
-              "Can you give a concrete example?", "What are the main weaknesses of what you just said?",
-              "Turn your answer into a short poem.", "Make it twice as short, keeping the key points.",
-              "Translate the first sentence of your answer into French.", "Explain your reasoning step by step."]
+FOLLOW_UPS = [
+    "Now summarise your answer in one sentence.",
+    "Rewrite your answer for a five-year-old.",
+    "Can you give a concrete example?",
+    "What are the main weaknesses of what you just said?",
+    "Turn your answer into a short poem.",
+    "Make it twice as short, keeping the key points.",
+    "Translate the first sentence of your answer into French.",
+    "Explain your reasoning step by step.",
+]
 
 
 def _writing(rng: random.Random) -> str:
@@ -334,11 +546,18 @@ def _roleplay(rng: random.Random) -> str:
 
 def _extraction(rng: random.Random) -> str:
     people = rng.sample(NAMES, 3)
-    lines = [f"{p} bought {rng.randint(2, 30)} {rng.choice(ITEMS)} at the {rng.choice(PLACES)} on "
-             f"{rng.choice(['Monday', 'Tuesday', 'Friday', 'Sunday'])} for ${rng.randint(3, 90)}." for p in people]
-    ask = rng.choice(["Return the purchases as a JSON list with keys name, count, item, place and price.",
-                      "Make a table of who bought what, and on which day.",
-                      "Who spent the most, and how much did all three spend together?"])
+    lines = [
+        f"{p} bought {rng.randint(2, 30)} {rng.choice(ITEMS)} at the {rng.choice(PLACES)} on "
+        f"{rng.choice(['Monday', 'Tuesday', 'Friday', 'Sunday'])} for ${rng.randint(3, 90)}."
+        for p in people
+    ]
+    ask = rng.choice(
+        [
+            "Return the purchases as a JSON list with keys name, count, item, place and price.",
+            "Make a table of who bought what, and on which day.",
+            "Who spent the most, and how much did all three spend together?",
+        ]
+    )
     return "Read the notes below.\n" + "\n".join(lines) + "\n" + ask
 
 
@@ -360,13 +579,22 @@ def _reasoning(rng: random.Random) -> str:
 def _question(rng: random.Random) -> str:
     field = rng.choice(list(FIELDS))
     x, y = rng.sample(FIELDS[field], 2)
-    return rng.choice([f"In {field}, what is {x}, and how does it relate to {y}?",
-                       f"Explain {x} to a first-year {field} student, with one everyday example.",
-                       f"What are the most common misconceptions about {x}?"])
+    return rng.choice(
+        [
+            f"In {field}, what is {x}, and how does it relate to {y}?",
+            f"Explain {x} to a first-year {field} student, with one everyday example.",
+            f"What are the most common misconceptions about {x}?",
+        ]
+    )
 
 
-ASSIST_KINDS = {"writing": _writing, "roleplay": _roleplay, "extraction": _extraction, "reasoning": _reasoning,
-                "question": _question}
+ASSIST_KINDS = {
+    "writing": _writing,
+    "roleplay": _roleplay,
+    "extraction": _extraction,
+    "reasoning": _reasoning,
+    "question": _question,
+}
 
 
 def assist_prompts(rng: random.Random, count: int) -> list[list[str]]:
@@ -401,8 +629,10 @@ def eval_shingles(eval_dir: Path) -> set[str]:
     eval_dir = Path(eval_dir)
     files = sorted(eval_dir.glob("*.jsonl")) if eval_dir.is_dir() else []
     if not files:
-        raise DSparkError(f"--eval-dir {eval_dir} holds no evaluation sets (*.jsonl); prompts are checked against them "
-                          "for overlap, so point it at the folder of {\"turns\": [...]} files")
+        raise DSparkError(
+            f"--eval-dir {eval_dir} holds no evaluation sets (*.jsonl); prompts are checked against them "
+            'for overlap, so point it at the folder of {"turns": [...]} files'
+        )
     shingles: set[str] = set()
     for path in files:
         for record in read_jsonl(path):
@@ -429,7 +659,8 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
         # Last, and only when asked for, so that it draws nothing from rng otherwise: a seed keeps giving the files
         # it gave before this source existed.
         "library": code_prompts(rng, want["library"], _documented_functions(LIBRARY_MODULES, library=True))
-        if want.get("library") else [],
+        if want.get("library")
+        else [],
     }
     records, dropped, seen = [], {}, set()
     for source, prompts in pools.items():
@@ -442,8 +673,25 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
             # The id is the prompt's own digest: prompt files built with other seeds or mixes never reuse an id for
             # another prompt, so their answers can be appended to one training file.
             digest = hashlib.sha1(key.encode()).hexdigest()[:12]
-            records.append({"id": f"{source}-{digest}", "source": source,
-                            "messages": [{"role": "user", "content": t} for t in turns]})
+            records.append(
+                {
+                    "id": f"{source}-{digest}",
+                    "source": source,
+                    "messages": [{"role": "user", "content": t} for t in turns],
+                }
+            )
     rng.shuffle(records)
     counts = {s: sum(r["source"] == s for r in records) for s in pools}
     return records, {"requested": count, "counts": counts, "dropped_overlap_or_duplicate": dropped, "seed": seed}
+
+
+def drop_answered(records: list[dict], answered_files: list) -> list[dict]:
+    """The records whose opening user turn none of these files (earlier regenerated sets) holds: the same opening
+    is the same prompt to answer."""
+    from dspark.training.data import read_records
+
+    def opening(record):
+        return next(m["content"].strip() for m in record["messages"] if m["role"] == "user")
+
+    seen = {opening(r) for path in answered_files for r in read_records(path)}
+    return [r for r in records if opening(r) not in seen]

@@ -28,23 +28,56 @@ from dspark.drafter.config import ARCHITECTURES, BACKBONES, HEAD_TYPES
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir, atomic_write_text, recover_dir
 from dspark.target import resolve_device
-from dspark.training.anchors import (block_supervision, leading_runs, position_weights, rounds_by_row, sample_anchors,
-                                     visited_anchors)
+from dspark.training.anchors import (
+    block_supervision,
+    leading_runs,
+    position_weights,
+    rounds_by_row,
+    sample_anchors,
+    visited_anchors,
+)
 from dspark.training.data import Example, examples_from_record, read_records, spread_slice
 from dspark.training.features import CachedFeatures, OnlineFeatures, TargetBatch, build_feature_cache
 from dspark.training.loss import LossWeights, dspark_loss
 
-_BASELINE = dict(markov_rank=0, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False)
-_EAGLE = dict(_BASELINE, architecture="eagle3", num_draft_layers=1, ce_weight=0.1, tv_weight=0.9, conf_weight=0.0,
-              decay=-1 / math.log(0.8))  # exp(-(k-1)/λ) = 0.8^(k-1): EAGLE-3's per-step decay
+_BASELINE = dict(
+    markov_rank=0, markov_head_type="vanilla", enable_confidence_head=False, confidence_head_with_markov=False
+)
+_EAGLE = dict(
+    _BASELINE,
+    architecture="eagle3",
+    num_draft_layers=1,
+    ce_weight=0.1,
+    tv_weight=0.9,
+    conf_weight=0.0,
+    decay=-1 / math.log(0.8),
+)  # exp(-(k-1)/λ) = 0.8^(k-1): EAGLE-3's per-step decay
 PRESETS = {
     # The paper's drafter: Markov head, confidence head, CE 0.1 + L1 0.9 + confidence 1.0.
-    "dspark": dict(architecture="dspark", block_size=7, num_draft_layers=2, markov_rank=256, markov_head_type="vanilla",
-                   enable_confidence_head=True, confidence_head_with_markov=True, ce_weight=0.1, tv_weight=0.9,
-                   conf_weight=1.0, decay=4.0),
+    "dspark": dict(
+        architecture="dspark",
+        block_size=7,
+        num_draft_layers=2,
+        markov_rank=256,
+        markov_head_type="vanilla",
+        enable_confidence_head=True,
+        confidence_head_with_markov=True,
+        ce_weight=0.1,
+        tv_weight=0.9,
+        conf_weight=1.0,
+        decay=4.0,
+    ),
     # The DFlash baseline: same backbone, no sequential or confidence head, cross-entropy only.
-    "dflash": dict(_BASELINE, architecture="dspark", block_size=7, num_draft_layers=2, ce_weight=1.0, tv_weight=0.0,
-                   conf_weight=0.0, decay=4.0),
+    "dflash": dict(
+        _BASELINE,
+        architecture="dspark",
+        block_size=7,
+        num_draft_layers=2,
+        ce_weight=1.0,
+        tv_weight=0.0,
+        conf_weight=0.0,
+        decay=4.0,
+    ),
     # EAGLE-3-style autoregressive drafter trained with training-time test over γ steps (docs/design.md §6).
     "eagle3": dict(_EAGLE, block_size=7),
     # MTP-1: one draft token per round.
@@ -63,8 +96,12 @@ class TrainConfig:
     data: str = opt("", "training JSONL (regenerated chat records from `dspark regenerate`)")
     out: str = opt("", "run folder: checkpoint/, metrics.jsonl")
     model: str = opt("smollm2-135m-instruct", "target: a known name or a Hugging Face model folder")
-    target_dtype: str = opt("auto", "precision of the frozen target; auto: bfloat16 where it is native (a GPU, a CPU "
-                                    "with AMX / AVX-512-BF16), else float32", choices=("auto", "float32", "bfloat16"))
+    target_dtype: str = opt(
+        "auto",
+        "precision of the frozen target; auto: bfloat16 where it is native (a GPU, a CPU "
+        "with AMX / AVX-512-BF16), else float32",
+        choices=("auto", "float32", "bfloat16"),
+    )
     preset: str = opt("dspark", "architecture and loss preset", choices=tuple(PRESETS))
     # drafter (docs/design.md §2); None = the preset's value
     architecture: str | None = opt(None, "drafter architecture (set by --preset)", choices=ARCHITECTURES)
@@ -74,21 +111,34 @@ class TrainConfig:
     markov_head_type: str | None = opt(None, "sequential head", choices=HEAD_TYPES)
     enable_confidence_head: bool | None = opt(None, "train a confidence head", flag="confidence-head")
     confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
-    draft_vocab_size: int = opt(0, "score only the N most frequent answer tokens (0 = the whole vocabulary); with "
-                                   "--init-from, widen the continued drafter's to N (0 = keep it)")
+    draft_vocab_size: int = opt(
+        0,
+        "score only the N most frequent answer tokens (0 = the whole vocabulary); with "
+        "--init-from, widen the continued drafter's to N (0 = keep it)",
+    )
     feature_norm: bool = opt(False, "RMS-normalise each captured target layer before fc")
-    backbone: str = opt("qwen3", "draft layers: qwen3 (RMSNorm on q and k; portable: exports to llama.cpp, vLLM, "
-                                 "DeepSpec), or the target's own family",
-                        choices=BACKBONES)
+    backbone: str = opt(
+        "qwen3",
+        "draft layers: qwen3 (RMSNorm on q and k; portable: exports to llama.cpp, vLLM, "
+        "DeepSpec), or the target's own family",
+        choices=BACKBONES,
+    )
     target_layer_ids: list[int] = opt(list, "target layers fed to the drafter, e.g. 1,8,14,21,28")
     mask_token_id: int = opt(-1, "the block's mask token (-1 = an unused token of the target)")
     init_target_layers: bool = opt(True, "start the backbone from the target's top decoder layers")
-    markov_init: str = opt("zero", "start of the Markov head: zero (the pure parallel drafter) or bigram (a low-rank "
-                                   "factorisation of the data's bigram log-probabilities)", choices=("zero", "bigram"))
+    markov_init: str = opt(
+        "zero",
+        "start of the Markov head: zero (the pure parallel drafter) or bigram (a low-rank "
+        "factorisation of the data's bigram log-probabilities)",
+        choices=("zero", "bigram"),
+    )
     init_from: str | None = opt(None, "continue training an existing drafter checkpoint")
-    add_draft_layers: int = opt(0, "with --init-from, deepen the continued drafter by N decoder layers after its last "
-                                   "(each an identity at the start, so it proposes as before; trained at the full "
-                                   "learning rate)")
+    add_draft_layers: int = opt(
+        0,
+        "with --init-from, deepen the continued drafter by N decoder layers after its last "
+        "(each an identity at the start, so it proposes as before; trained at the full "
+        "learning rate)",
+    )
     # loss (docs/design.md §3); None = the preset's value
     ce_weight: float | None = opt(None, "weight of the cross-entropy term")
     tv_weight: float | None = opt(None, "weight of the L1 (2·TV) term against the target distribution")
@@ -96,35 +146,51 @@ class TrainConfig:
     decay: float | None = opt(None, "position weight exp(-(k-1)/decay); <= 0 disables")
     target_topk: int = opt(0, "keep the target distribution's top K (0 = full)")
     num_anchors: int = opt(64, "blocks sampled per training sequence")
-    rollout_anchors: float = opt(0.0, "share of each sequence's blocks anchored where greedy decoding with the current "
-                                      "drafter would start a round (one past each round's accepted drafts), the rest "
-                                      "uniform; costs a no-grad drafter pass over every answer position")
+    rollout_anchors: float = opt(
+        0.0,
+        "share of each sequence's blocks anchored where greedy decoding with the current "
+        "drafter would start a round (one past each round's accepted drafts), the rest "
+        "uniform; costs a no-grad drafter pass over every answer position",
+    )
     max_length: int = opt(1024, "tokens per training sequence (longer ones are cut)")
     allow_foreign_data: bool = opt(False, "train on data regenerated by another target (normally refused)")
     # optimisation
     epochs: float = opt(1.0, "passes over the data")
     max_steps: int = opt(0, "stop after this many steps (> 0 overrides --epochs)")
-    max_minutes: float = opt(0.0, "fit the run into this many minutes of training steps (loading and evaluations "
-                                  "not counted): after 10 steps their measured time sets the schedule's length, at "
-                                  "most what --max-steps / --epochs ask; 0 = off")
+    max_minutes: float = opt(
+        0.0,
+        "fit the run into this many minutes of training steps (loading and evaluations "
+        "not counted): after 10 steps their measured time sets the schedule's length, at "
+        "most what --max-steps / --epochs ask; 0 = off",
+    )
     batch_size: int = opt(8, "sequences per micro-batch and process")
     grad_accum: int = opt(1, "micro-batches per optimizer step")
     lr: float = opt(6e-4, "peak learning rate (warmup, then cosine)")
     warmup_ratio: float = opt(0.04, "share of the steps spent warming up")
     weight_decay: float = opt(0.0, "AdamW weight decay (never on norms and biases)")
-    copied_lr_scale: float = opt(1.0, "learning-rate multiplier for the backbone's decoder layers and final norm, the "
-                                      "parts started from the target's top layers (1 = the same rate as the rest)")
+    copied_lr_scale: float = opt(
+        1.0,
+        "learning-rate multiplier for the backbone's decoder layers and final norm, the "
+        "parts started from the target's top layers (1 = the same rate as the rest)",
+    )
     clip: float = opt(1.0, "gradient norm clip")
-    bf16: bool | None = opt(None, "autocast the drafter to bfloat16 (fp32 master weights); default: where bfloat16 is "
-                                  "native, as for --target-dtype auto")
+    bf16: bool | None = opt(
+        None,
+        "autocast the drafter to bfloat16 (fp32 master weights); default: where bfloat16 is "
+        "native, as for --target-dtype auto",
+    )
     device: str = opt("auto", "auto (this rank's GPU if CUDA is available, else the CPU), cpu or cuda:N")
     feature_cache: str | None = opt(None, "folder for the on-disk target feature cache (built on first use)")
     holdout: float = opt(0.02, "share of records held out for evaluation")
-    decode_eval_every: int = opt(0, "every N steps also decode a fixed slice of each evaluation set for real "
-                                    "(greedy, fixed γ; τ per set in metrics.jsonl); 0 = off")
-    decode_eval_sets: list[str] = opt(lambda: ["gsm8k", "humaneval", "mt-bench", "math500", "mbpp"],
-                                      "evaluation sets of the real-decoding evaluation, comma-separated names or "
-                                      "JSONL paths")
+    decode_eval_every: int = opt(
+        0,
+        "every N steps also decode a fixed slice of each evaluation set for real "
+        "(greedy, fixed γ; τ per set in metrics.jsonl); 0 = off",
+    )
+    decode_eval_sets: list[str] = opt(
+        lambda: ["gsm8k", "humaneval", "mt-bench", "math500", "mbpp"],
+        "evaluation sets of the real-decoding evaluation, comma-separated names or JSONL paths",
+    )
     decode_eval_prompts: int = opt(1, "prompts per set in the real-decoding evaluation (the first ones)")
     decode_eval_tokens: int = opt(48, "new tokens per prompt in the real-decoding evaluation")
     eval_every: int = opt(200, "steps between held-out evaluations")
@@ -137,18 +203,45 @@ class TrainConfig:
         for key, value in PRESETS[self.preset].items():
             if getattr(self, key) is None:
                 setattr(self, key, value)
-        for name in ("batch_size", "grad_accum", "num_anchors", "max_length", "eval_every", "save_every",
-                     "block_size", "num_draft_layers"):
+        for name in (
+            "batch_size",
+            "grad_accum",
+            "num_anchors",
+            "max_length",
+            "eval_every",
+            "save_every",
+            "block_size",
+            "num_draft_layers",
+        ):
             if getattr(self, name) <= 0:
                 raise DSparkError(f"--{flag(name)} must be positive, got {getattr(self, name)}")
         for name in ("decode_eval_prompts", "decode_eval_tokens"):
             if getattr(self, name) <= 0:
                 raise DSparkError(f"--{flag(name)} must be positive, got {getattr(self, name)}")
-        for name in ("markov_rank", "draft_vocab_size", "target_topk", "max_steps", "decode_eval_every", "add_draft_layers"):
+        for name in (
+            "markov_rank",
+            "draft_vocab_size",
+            "target_topk",
+            "max_steps",
+            "decode_eval_every",
+            "add_draft_layers",
+        ):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "epochs", "max_minutes", "weight_decay", "copied_lr_scale", "clip", "ce_weight", "tv_weight", "conf_weight",
-                     "decay", "warmup_ratio", "holdout"):
+        for name in (
+            "lr",
+            "epochs",
+            "max_minutes",
+            "weight_decay",
+            "copied_lr_scale",
+            "clip",
+            "ce_weight",
+            "tv_weight",
+            "conf_weight",
+            "decay",
+            "warmup_ratio",
+            "holdout",
+        ):
             value = getattr(self, name)
             if not math.isfinite(value):
                 raise DSparkError(f"--{flag(name)} must be a finite number, got {value}")
@@ -157,32 +250,47 @@ class TrainConfig:
         if self.lr <= 0 or self.clip <= 0:
             raise DSparkError(f"--lr and --clip must be positive, got {self.lr} and {self.clip}")
         if not 0 <= self.rollout_anchors <= 1:
-            raise DSparkError(f"--rollout-anchors is a share of the anchors: between 0 and 1, got {self.rollout_anchors}")
+            raise DSparkError(
+                f"--rollout-anchors is a share of the anchors: between 0 and 1, got {self.rollout_anchors}"
+            )
         if self.warmup_ratio >= 1 or self.holdout >= 1:
             raise DSparkError("--warmup-ratio and --holdout are shares: each must be below 1")
         if self.add_draft_layers and not self.init_from:
-            raise DSparkError("--add-draft-layers deepens a trained drafter: give it with --init-from; a new drafter "
-                              "takes its depth from --num-draft-layers")
+            raise DSparkError(
+                "--add-draft-layers deepens a trained drafter: give it with --init-from; a new drafter "
+                "takes its depth from --num-draft-layers"
+            )
         if self.max_steps <= 0 and self.epochs <= 0:
             raise DSparkError("train for something: --epochs > 0 or --max-steps > 0")
 
     def drafter_config(self) -> DSparkConfig:
         return DSparkConfig(
-            architecture=self.architecture, block_size=self.block_size, num_draft_layers=self.num_draft_layers, target_layer_ids=list(self.target_layer_ids),
-            markov_rank=self.markov_rank, markov_head_type=self.markov_head_type,
-            enable_confidence_head=self.enable_confidence_head, confidence_head_with_markov=self.confidence_head_with_markov,
-            num_anchors=self.num_anchors, draft_vocab_size=self.draft_vocab_size, feature_norm=self.feature_norm,
-            mask_token_id=self.mask_token_id, backbone=self.backbone,
+            architecture=self.architecture,
+            block_size=self.block_size,
+            num_draft_layers=self.num_draft_layers,
+            target_layer_ids=list(self.target_layer_ids),
+            markov_rank=self.markov_rank,
+            markov_head_type=self.markov_head_type,
+            enable_confidence_head=self.enable_confidence_head,
+            confidence_head_with_markov=self.confidence_head_with_markov,
+            num_anchors=self.num_anchors,
+            draft_vocab_size=self.draft_vocab_size,
+            feature_norm=self.feature_norm,
+            mask_token_id=self.mask_token_id,
+            backbone=self.backbone,
         )
 
     def for_device(self, device: torch.device) -> TrainConfig:
         """--target-dtype auto and an unset --bf16 decided for `device`: bfloat16 where it is native, else float32
         (emulated bfloat16 made a training step 5.5x slower than float32 on an AVX2-only EPYC)."""
-        from dspark.scheduling.precision import native_bf16_flags
+        from dspark.autotune import native_bf16_flags
 
         native = device.type == "cuda" or bool(native_bf16_flags())
-        return replace(self, target_dtype=("bfloat16" if native else "float32") if self.target_dtype == "auto"
-                       else self.target_dtype, bf16=native if self.bf16 is None else self.bf16)
+        return replace(
+            self,
+            target_dtype=("bfloat16" if native else "float32") if self.target_dtype == "auto" else self.target_dtype,
+            bf16=native if self.bf16 is None else self.bf16,
+        )
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainConfig:
@@ -192,8 +300,22 @@ class TrainConfig:
 
 # Settings a resumed run may change: how long it runs, how often it reports, where and in what precision it computes,
 # and its data, which may only grow by appended records (checked on resume), not what it learns from them.
-RESUMABLE = ("epochs", "max_steps", "max_minutes", "eval_every", "save_every", "device", "target_dtype", "bf16", "feature_cache", "data",
-             "decode_eval_every", "decode_eval_sets", "decode_eval_prompts", "decode_eval_tokens")
+RESUMABLE = (
+    "epochs",
+    "max_steps",
+    "max_minutes",
+    "eval_every",
+    "save_every",
+    "device",
+    "target_dtype",
+    "bf16",
+    "feature_cache",
+    "data",
+    "decode_eval_every",
+    "decode_eval_sets",
+    "decode_eval_prompts",
+    "decode_eval_tokens",
+)
 
 
 def resumed_config(out: str | Path, overrides: dict) -> TrainConfig:
@@ -211,9 +333,11 @@ def resumed_config(out: str | Path, overrides: dict) -> TrainConfig:
     changed = {k: v for k, v in overrides.items() if getattr(cfg, k) != v}
     refused = sorted(k for k in changed if k not in RESUMABLE)
     if refused:
-        raise DSparkError(f"--resume continues the run as it was configured; {', '.join('--' + flag(k) for k in refused)} "
-                          f"would change what it learns. Only {', '.join('--' + flag(k) for k in RESUMABLE)} may change; "
-                          "start a new run with --init-from to change the rest")
+        raise DSparkError(
+            f"--resume continues the run as it was configured; {', '.join('--' + flag(k) for k in refused)} "
+            f"would change what it learns. Only {', '.join('--' + flag(k) for k in RESUMABLE)} may change; "
+            "start a new run with --init-from to change the rest"
+        )
     return replace(cfg, out=str(out), **changed)
 
 
@@ -257,8 +381,9 @@ def barrier() -> None:
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
-def load_examples(target, path: str, max_length: int, holdout: float,
-                  allow_foreign: bool = False) -> tuple[list[Example], list[Example], list]:
+def load_examples(
+    target, path: str, max_length: int, holdout: float, allow_foreign: bool = False
+) -> tuple[list[Example], list[Example], list]:
     """Training and held-out examples, and the record ids in file order; the hold-out is a fixed slice chosen by
     record id. Records regenerated by another target are refused (the drafter would learn to imitate the wrong
     model), and so are token ids outside the target's vocabulary."""
@@ -272,11 +397,14 @@ def load_examples(target, path: str, max_length: int, holdout: float,
             raise DSparkError(
                 f"{path}: record {record['id']} was regenerated by target '{source.get('name_or_path')}' "
                 f"(fingerprint {source.get('fingerprint')}), not by '{target.name}' ({fingerprint}). Regenerate the "
-                "data with this target, or pass --allow-foreign-data to train on it anyway")
+                "data with this target, or pass --allow-foreign-data to train on it anyway"
+            )
         ids = [t for turn in record.get("assistant_token_ids") or [] for t in turn]
         if ids and max(ids) >= target.vocab_size:
-            raise DSparkError(f"{path}: record {record['id']} holds token id {max(ids)}, outside the target's "
-                              f"vocabulary of {target.vocab_size}; the data belongs to another tokenizer")
+            raise DSparkError(
+                f"{path}: record {record['id']} holds token id {max(ids)}, outside the target's "
+                f"vocabulary of {target.vocab_size}; the data belongs to another tokenizer"
+            )
         bucket = held if (hash_id(record["id"]) % 10000) < holdout * 10000 else train
         bucket.extend(examples_from_record(target.tokenizer, record, max_length))
         record_ids.append(record["id"])
@@ -304,11 +432,14 @@ def continue_on_data(loop: dict, record_ids: list, train_examples: int, old_data
     if seen is not None:
         n = seen["records"]
         if len(record_ids) < n or hash_id(json.dumps(record_ids[:n])) != seen["ids_crc32"]:
-            raise DSparkError(f"--resume --data: the run was trained on {n} records, and this data does not begin "
-                              "with them in the same order. A resumed run can only take data appended after what it "
-                              "saw; start a new run (--init-from the checkpoint) to train on other data")
+            raise DSparkError(
+                f"--resume --data: the run was trained on {n} records, and this data does not begin "
+                "with them in the same order. A resumed run can only take data appended after what it "
+                "saw; start a new run (--init-from the checkpoint) to train on other data"
+            )
     before = (seen or {}).get("train_examples") or train_examples
     return train_examples - before
+
 
 def hash_id(text) -> int:
     import zlib
@@ -352,10 +483,12 @@ def widen_draft_vocabulary(drafter, examples: list[Example], size: int, vocab_si
     before and after."""
     have = drafter.draft_vocab_size
     if drafter.d2t is None or size < have:
-        raise DSparkError(f"--draft-vocab-size {size}: the drafter being continued scores {have} tokens, and a "
-                          "vocabulary can only grow (its Markov rows are learned); pass a size >= it, or 0 to keep it")
+        raise DSparkError(
+            f"--draft-vocab-size {size}: the drafter being continued scores {have} tokens, and a "
+            "vocabulary can only grow (its Markov rows are learned); pass a size >= it, or 0 to keep it"
+        )
     counts = answer_token_counts(examples, vocab_size)
-    covered = lambda: float(counts[drafter.d2t].sum() / counts.sum().clamp_min(1))  # noqa: E731
+    covered = lambda: float(counts[drafter.d2t].sum() / counts.sum().clamp_min(1))
     before = covered()
     missing = counts.clone()
     missing[drafter.d2t] = -1
@@ -441,8 +574,17 @@ def block_loss(model, batch: TargetBatch, plan: BlockPlan, cfg: TrainConfig, den
     target = batch.target_dist(sel[0], positions) if need_q else None
     drafter = model.module if hasattr(model, "module") else model
     confidence = None if out.confidence_logits is None else out.confidence_logits[sel]
-    return dspark_loss(out.logits[sel], out.labels[sel], confidence, plan.weights[sel], target, alphas,
-                       drafter.d2t, drafter.t2d(), denominator)
+    return dspark_loss(
+        out.logits[sel],
+        out.labels[sel],
+        confidence,
+        plan.weights[sel],
+        target,
+        alphas,
+        drafter.d2t,
+        drafter.t2d(),
+        denominator,
+    )
 
 
 # Blocks per held-out sequence: fixed, so runs trained with different --num-anchors are measured alike.
@@ -489,10 +631,13 @@ def evaluate(drafter, source, examples: list[Example], cfg: TrainConfig, batch_s
     drafter.train()
     if not blocks:
         return {}
-    return {"tau_greedy": round(1 + runs / blocks, 4), "eval_blocks": blocks,
-            "tau_rounds": round(round_tokens / rounds, 4) if rounds else None,
-            "tau_by_source": {k: round(1 + a / n, 4) for k, (a, n) in sorted(by_source.items())},
-            "accept_by_position": [round(float(a / r), 4) if r else None for a, r in zip(accepted_pos, reached_pos)]}
+    return {
+        "tau_greedy": round(1 + runs / blocks, 4),
+        "eval_blocks": blocks,
+        "tau_rounds": round(round_tokens / rounds, 4) if rounds else None,
+        "tau_by_source": {k: round(1 + a / n, 4) for k, (a, n) in sorted(by_source.items())},
+        "accept_by_position": [round(float(a / r), 4) if r else None for a, r in zip(accepted_pos, reached_pos)],
+    }
 
 
 def decode_eval_prompts(target, cfg: TrainConfig) -> dict[str, list[list[int]]]:
@@ -501,8 +646,10 @@ def decode_eval_prompts(target, cfg: TrainConfig) -> dict[str, list[list[int]]]:
 
     if cfg.decode_eval_every <= 0:
         return {}
-    return {Path(name).stem: [target.encode_chat(p) for p in eval_prompts(name, cfg.decode_eval_prompts)]
-            for name in cfg.decode_eval_sets}
+    return {
+        Path(name).stem: [target.encode_chat(p) for p in eval_prompts(name, cfg.decode_eval_prompts)]
+        for name in cfg.decode_eval_sets
+    }
 
 
 def decode_eval(drafter, target, prompts: dict[str, list[list[int]]], max_new_tokens: int) -> dict:
@@ -522,13 +669,17 @@ def decode_eval(drafter, target, prompts: dict[str, list[list[int]]], max_new_to
             taus[name] = round(stats.tau, 3)
             merged = merged.merge(stats)
     drafter.train()
-    return {"decode_tau": taus, "decode_tau_all": round(merged.tau, 3),
-            "decode_accept_1": round(merged.accept_by_position()[0] or 0.0, 4)}
+    return {
+        "decode_tau": taus,
+        "decode_tau_all": round(merged.tau, 3),
+        "decode_accept_1": round(merged.accept_by_position()[0] or 0.0, 4),
+    }
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------------------
-def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig,
-                    ancestors: list[dict]) -> None:
+def save_checkpoint(
+    path: Path, drafter, optimizer, state: dict, target_identity: dict, cfg: TrainConfig, ancestors: list[dict]
+) -> None:
     """Drafter (loadable by `dspark generate --drafter`) + optimizer + loop state + the legs it was continued from,
     swapped in atomically."""
     opt = optimizer.state_dict()
@@ -537,11 +688,16 @@ def save_checkpoint(path: Path, drafter, optimizer, state: dict, target_identity
     if torch.cuda.is_available():
         tensors["rng.cuda"] = torch.cuda.get_rng_state()
     version, internal, gauss = random.getstate()
-    meta = {"param_groups": opt["param_groups"], "loop": state, "python_rng": [version, list(internal), gauss],
-            "train_config": asdict(cfg)}
+    meta = {
+        "param_groups": opt["param_groups"],
+        "loop": state,
+        "python_rng": [version, list(internal), gauss],
+        "train_config": asdict(cfg),
+    }
     with atomic_dir(path) as tmp:
-        drafter.save(tmp / "drafter", target_identity,
-                     extra={"training": asdict(cfg), "progress": state, "lineage": ancestors})
+        drafter.save(
+            tmp / "drafter", target_identity, extra={"training": asdict(cfg), "progress": state, "lineage": ancestors}
+        )
         for name in ("config.json", "model.safetensors"):  # the checkpoint folder itself loads as a drafter
             os.link(tmp / "drafter" / name, tmp / name)
         save_file(tensors, str(tmp / "trainer_state.safetensors"))
@@ -563,8 +719,10 @@ def load_checkpoint(path: Path, drafter, optimizer) -> tuple[dict, dict]:
         if key.startswith("state."):
             _, idx, name = key.split(".", 2)
             if not idx.isdigit() or int(idx) >= sum(len(g["params"]) for g in meta["param_groups"]):
-                raise DSparkError(f"{path}/trainer_state.safetensors: optimizer state for parameter {idx}, which "
-                                  "this drafter does not have; the checkpoint is damaged (restart without --resume)")
+                raise DSparkError(
+                    f"{path}/trainer_state.safetensors: optimizer state for parameter {idx}, which "
+                    "this drafter does not have; the checkpoint is damaged (restart without --resume)"
+                )
             state.setdefault(int(idx), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
     torch.set_rng_state(tensors["rng.torch"])
@@ -576,6 +734,7 @@ def load_checkpoint(path: Path, drafter, optimizer) -> tuple[dict, dict]:
 
 def check_trainer_state(meta, optimizer, where: Path) -> None:
     """Every field the loop and the optimizer read, checked against this run before anything is loaded."""
+
     def damaged(what: str):
         return DSparkError(f"{where}: {what}; the checkpoint is damaged or edited (restart the run without --resume)")
 
@@ -593,8 +752,9 @@ def check_trainer_state(meta, optimizer, where: Path) -> None:
         raise damaged("train_config is missing")
     groups, mine = meta.get("param_groups"), optimizer.state_dict()["param_groups"]
     if not isinstance(groups, list) or len(groups) != len(mine):
-        raise damaged(f"it has {len(groups) if isinstance(groups, list) else 'no'} parameter groups, this drafter "
-                      f"{len(mine)}")
+        raise damaged(
+            f"it has {len(groups) if isinstance(groups, list) else 'no'} parameter groups, this drafter {len(mine)}"
+        )
     for i, (saved, ours) in enumerate(zip(groups, mine)):
         if not isinstance(saved, dict) or saved.get("params") != ours["params"]:
             raise damaged(f"parameter group {i} does not hold this drafter's parameters")
@@ -603,8 +763,9 @@ def check_trainer_state(meta, optimizer, where: Path) -> None:
             if type(value) not in (int, float) or not math.isfinite(value) or value < 0:
                 raise damaged(f"parameter group {i}: {key} must be a non-negative number, got {value!r}")
         betas = saved.get("betas")
-        if not (isinstance(betas, list) and len(betas) == 2 and all(type(b) in (int, float) and 0 <= b < 1
-                                                                  for b in betas)):
+        if not (
+            isinstance(betas, list) and len(betas) == 2 and all(type(b) in (int, float) and 0 <= b < 1 for b in betas)
+        ):
             raise damaged(f"parameter group {i}: betas must be two numbers in [0, 1), got {betas!r}")
 
 
@@ -625,17 +786,26 @@ def keep_metrics_up_to(path: Path, step: int) -> None:
 
 def python_rng_state(data, path) -> tuple:
     """Python's random state from its JSON form [version, [625 ints], gauss-or-null], checked field by field."""
-    ok = (isinstance(data, list) and len(data) == 3 and type(data[0]) is int and isinstance(data[1], list)
-          and len(data[1]) == 625 and all(type(x) is int for x in data[1]) and (data[2] is None or isinstance(data[2], float)))
+    ok = (
+        isinstance(data, list)
+        and len(data) == 3
+        and type(data[0]) is int
+        and isinstance(data[1], list)
+        and len(data[1]) == 625
+        and all(type(x) is int for x in data[1])
+        and (data[2] is None or isinstance(data[2], float))
+    )
     if not ok:
-        raise DSparkError(f"{path}/trainer_state.json: python_rng is not a random-generator state; the checkpoint "
-                          "is damaged or was written by an older dspark (restart the run without --resume)")
+        raise DSparkError(
+            f"{path}/trainer_state.json: python_rng is not a random-generator state; the checkpoint "
+            "is damaged or was written by an older dspark (restart the run without --resume)"
+        )
     return data[0], tuple(data[1]), data[2]
 
 
 def device_name(device: torch.device) -> str:
-    """"cuda: <GPU>" or "cpu: <processor>", so each leg of a drafter's lineage says where its hours were spent."""
-    from dspark.scheduling.precision import cpu_name
+    """ "cuda: <GPU>" or "cpu: <processor>", so each leg of a drafter's lineage says where its hours were spent."""
+    from dspark.autotune import cpu_name
 
     return f"cuda: {torch.cuda.get_device_name(device)}" if device.type == "cuda" else f"cpu: {cpu_name()}"
 
@@ -646,14 +816,19 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
     by --add-draft-layers start as identities and learn at the full rate."""
     named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
     copied_layers = [f"layers.{i}." for i in range(len(drafter.layers) - cfg.add_draft_layers)]
+
     def copied(name):  # one group for all when the scale is 1, as checkpoints from before the flag have
         return cfg.copied_lr_scale != 1.0 and name.startswith(("norm.", *copied_layers))
 
     groups = []
-    for scale, members in ((1.0, [(n, p) for n, p in named if not copied(n)]),
-                           (cfg.copied_lr_scale, [(n, p) for n, p in named if copied(n)])):
-        for decay, params in ((cfg.weight_decay, [p for _, p in members if p.ndim >= 2]),
-                              (0.0, [p for _, p in members if p.ndim < 2])):
+    for scale, members in (
+        (1.0, [(n, p) for n, p in named if not copied(n)]),
+        (cfg.copied_lr_scale, [(n, p) for n, p in named if copied(n)]),
+    ):
+        for decay, params in (
+            (cfg.weight_decay, [p for _, p in members if p.ndim >= 2]),
+            (0.0, [p for _, p in members if p.ndim < 2]),
+        ):
             if params:
                 groups.append({"params": params, "weight_decay": decay, "lr_scale": scale})
     return groups
@@ -667,7 +842,9 @@ FIT_AFTER_STEPS = 10  # steps timed before --max-minutes first sets the schedule
 def fit_to_minutes(total: int, step: int, seconds_per_step: float, seconds_left: float, device: torch.device) -> int:
     """The schedule's length once the step time is known: as many more steps as fit the time left, never beyond
     `total` nor before this step; every rank gets the smallest, so all stop together."""
-    fitted = torch.tensor([min(total, step + max(0, int(seconds_left / seconds_per_step)))], device=device)  # NCCL: on the GPU
+    fitted = torch.tensor(
+        [min(total, step + max(0, int(seconds_left / seconds_per_step)))], device=device
+    )  # NCCL: on the GPU
     if dist.is_initialized():
         dist.all_reduce(fitted, op=dist.ReduceOp.MIN)
     return int(fitted.item())
@@ -690,8 +867,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     rank, world, device = init_distributed(cfg.device)
     cfg = cfg.for_device(device)
     if rank == 0:
-        print(f"dspark: target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'}, "
-              f"{device_name(device)}")
+        print(
+            f"dspark: target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'}, "
+            f"{device_name(device)}"
+        )
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
     torch.manual_seed(cfg.seed + rank)
@@ -699,8 +878,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
 
     target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None, device=device)
     cfg = replace(cfg, target_layer_ids=list(target.layer_ids))  # the caller's config stays as it was given
-    train_set, held_out, record_ids = load_examples(target, cfg.data, cfg.max_length, cfg.holdout,
-                                                   cfg.allow_foreign_data)
+    train_set, held_out, record_ids = load_examples(
+        target, cfg.data, cfg.max_length, cfg.holdout, cfg.allow_foreign_data
+    )
     decode_prompts = decode_eval_prompts(target, cfg) if rank == 0 else {}  # read now: a bad set fails at once
 
     ancestors = []  # the legs this run continues (`--init-from`), kept in every checkpoint
@@ -711,18 +891,24 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if drafter.config.backbone != cfg.backbone == "qwen3":
             drafter = port_to_qwen3(drafter, target)
             if rank == 0:
-                print(f"dspark: {cfg.init_from} has the target-family backbone; continuing it on the portable qwen3 "
-                      "backbone (q/k norms start at one; --backbone family keeps the family layers)")
+                print(
+                    f"dspark: {cfg.init_from} has the target-family backbone; continuing it on the portable qwen3 "
+                    "backbone (q/k norms start at one; --backbone family keeps the family layers)"
+                )
         if cfg.add_draft_layers:
             drafter.add_layers(cfg.add_draft_layers, target.model if cfg.init_target_layers else None)
             if rank == 0:
-                print(f"dspark: {cfg.init_from} deepened to {len(drafter.layers)} draft layers (the new ones start as "
-                      "identities)")
+                print(
+                    f"dspark: {cfg.init_from} deepened to {len(drafter.layers)} draft layers (the new ones start as "
+                    "identities)"
+                )
         if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.draft_vocab_size:
             before, after = widen_draft_vocabulary(drafter, train_set, cfg.draft_vocab_size, target.vocab_size)
             if rank == 0:
-                print(f"dspark: draft vocabulary widened to {cfg.draft_vocab_size} tokens: it covered {before:.1%} of "
-                      f"the answer tokens, now {after:.1%} (new tokens start with no Markov bias)")
+                print(
+                    f"dspark: draft vocabulary widened to {cfg.draft_vocab_size} tokens: it covered {before:.1%} of "
+                    f"the answer tokens, now {after:.1%} (new tokens start with no Markov bias)"
+                )
     else:
         drafter = new_drafter(target, cfg.drafter_config()).float()
         if cfg.init_target_layers:
@@ -734,12 +920,16 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
                 print(f"dspark: draft vocabulary of {cfg.draft_vocab_size} covers {coverage:.1%} of answer tokens")
         if cfg.markov_init == "bigram" and drafter.markov_head is not None:
             if drafter.config.markov_head_type != "vanilla":
-                raise DSparkError("--markov-init bigram sets B(prev) = W2·W1[prev], the vanilla head's formula; use "
-                                  "--markov-head-type vanilla or --markov-init zero")
+                raise DSparkError(
+                    "--markov-init bigram sets B(prev) = W2·W1[prev], the vanilla head's formula; use "
+                    "--markov-head-type vanilla or --markov-init zero"
+                )
             explained = init_markov_from_bigrams(drafter, train_set)
             if rank == 0:
-                print(f"dspark: Markov head starts from the data's bigrams (rank {drafter.config.markov_rank} keeps "
-                      f"{explained:.1%} of their centred log-probabilities)")
+                print(
+                    f"dspark: Markov head starts from the data's bigrams (rank {drafter.config.markov_rank} keeps "
+                    f"{explained:.1%} of their centred log-probabilities)"
+                )
     drafter.to(device).train()
 
     source = OnlineFeatures(target, cfg.target_topk)
@@ -766,9 +956,11 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             raise DSparkError(f"nothing to resume: {checkpoint} has no trainer state")
         loop, saved = load_checkpoint(checkpoint, drafter, optimizer)
         if loop["step"] >= total:
-            raise DSparkError(f"the checkpoint in {checkpoint} is at step {loop['step']}, {'the end' if loop['step'] == total else 'past the end'} "
-                              f"of a schedule of {total} steps: nothing to train. Pass --max-steps above "
-                              f"{loop['step']} to go on")
+            raise DSparkError(
+                f"the checkpoint in {checkpoint} is at step {loop['step']}, {'the end' if loop['step'] == total else 'past the end'} "
+                f"of a schedule of {total} steps: nothing to train. Pass --max-steps above "
+                f"{loop['step']} to go on"
+            )
         # The lineage as at the run's start, even if --init-from has been overwritten since; checkpoints written
         # before the lineage existed keep the one just read from --init-from.
         ancestors = read_checkpoint_meta(checkpoint).get("lineage", ancestors)
@@ -776,8 +968,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         if appended > 0:
             loop["epoch"], loop["batch"] = loop["epoch"] + 1, 0
             if rank == 0:
-                print(f"dspark: {appended} training examples appended since the checkpoint; they join from epoch "
-                      f"{loop['epoch']} on")
+                print(
+                    f"dspark: {appended} training examples appended since the checkpoint; they join from epoch "
+                    f"{loop['epoch']} on"
+                )
     loop["data"] = data_seen(record_ids, len(train_set))
     loop["device"] = device_name(device)
     cores = world * (1 if device.type == "cuda" else torch.get_num_threads())  # GPUs, or CPU threads
@@ -788,8 +982,14 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if rank == 0 and resume:
         keep_metrics_up_to(out / "metrics.jsonl", loop["step"])
     metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not progress or rank > 0,
-               dynamic_ncols=True)
+    bar = tqdm(
+        total=total,
+        initial=loop["step"],
+        desc="train",
+        unit="step",
+        disable=not progress or rank > 0,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter() - loop["seconds"]
     batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
     last = {}
@@ -812,8 +1012,12 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         # Each micro-batch's loss is a weighted mean over every supervised position of the whole step, all ranks.
         prepared = [source(m) for m, _ in micro]
         plans = [plan_blocks(b, cfg, g, drafter) for b, (_, g) in zip(prepared, micro)]
-        local = torch.stack([sum(p.weights.sum() for p in plans).float().cpu(),
-                             torch.tensor(float(sum(int(b.loss_mask.sum()) for b in prepared)))])
+        local = torch.stack(
+            [
+                sum(p.weights.sum() for p in plans).float().cpu(),
+                torch.tensor(float(sum(int(b.loss_mask.sum()) for b in prepared))),
+            ]
+        )
         denominator, step_tokens = all_sum(local).tolist()
         step_metrics = {}
         for i, (batch, plan) in enumerate(zip(prepared, plans)):
@@ -835,7 +1039,10 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             return_freed_memory()
         step_seconds += time.perf_counter() - step_started
         done_here = loop["step"] - fit_from
-        fitted_at = fitted_at or (done_here, step_seconds)  # the first step also warms up (allocations, kernels): not timed
+        fitted_at = fitted_at or (
+            done_here,
+            step_seconds,
+        )  # the first step also warms up (allocations, kernels): not timed
         refit = done_here % FIT_AFTER_STEPS == 0 and (done_here // FIT_AFTER_STEPS).bit_count() == 1  # 10, 20, 40 ...
         if cfg.max_minutes and refit:
             per_step = (step_seconds - fitted_at[1]) / (done_here - fitted_at[0])
@@ -848,15 +1055,29 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
         elapsed = time.perf_counter() - start
         loop["core_seconds"] += (elapsed - loop["seconds"]) * cores
         loop["seconds"] = elapsed
-        last = {"step": loop["step"], "epoch": loop["epoch"], "lr": lr, "grad_norm": float(grad_norm),
-                "seconds": round(loop["seconds"], 1), "tokens": loop["tokens"], **step_metrics}
+        last = {
+            "step": loop["step"],
+            "epoch": loop["epoch"],
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "seconds": round(loop["seconds"], 1),
+            "tokens": loop["tokens"],
+            **step_metrics,
+        }
         bar.update(1)
         bar.set_postfix({k: f"{v:.3f}" for k, v in step_metrics.items()})
         due_eval = loop["step"] % cfg.eval_every == 0 or loop["step"] == total
         if due_eval and rank == 0 and held_out:
             last.update(evaluate(drafter, OnlineFeatures(target, 0), spread_slice(held_out, 64), cfg, cfg.batch_size))
-            bar.write(json.dumps({k: last[k] for k in ("step", "tau_greedy", "tau_rounds", "accept_by_position", "tau_by_source")
-                                  if k in last}))
+            bar.write(
+                json.dumps(
+                    {
+                        k: last[k]
+                        for k in ("step", "tau_greedy", "tau_rounds", "accept_by_position", "tau_by_source")
+                        if k in last
+                    }
+                )
+            )
         due_decode = cfg.decode_eval_every > 0 and (loop["step"] % cfg.decode_eval_every == 0 or loop["step"] == total)
         if due_decode and rank == 0:
             last.update(decode_eval(drafter, target, decode_prompts, cfg.decode_eval_tokens))

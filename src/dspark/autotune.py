@@ -1,0 +1,194 @@
+"""Machine tuning, in one place and run only when asked (`dspark autotune`, or the commands that load a target for
+decoding, once per machine): what this CPU can do, which precision the target runs fastest in (`--dtype auto`), in
+which form its matrix products run (few-row products transposed, packed bfloat16 weights), and the cost table the
+scheduler plans with. Every decision is timed on the real forward once per machine, target, precision and thread
+count and kept in the dspark cache (`~/.cache/dspark`); loading a model never measures anything.
+
+bfloat16 halves the bytes every step streams, but only CPUs with native bfloat16 arithmetic (AMX or AVX-512-BF16)
+compute it fast; elsewhere it is emulated and slower than float32. bfloat16 runs batch-invariant (decoder.py), so
+speculative output equals plain output token for token in it; float32 has no batch-invariant kernels here, and its
+output is identical in practice (ulp-sized differences rarely move an argmax), not by construction.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dspark.decoder import packing_available
+from dspark.fsutil import atomic_write_json
+from dspark.models import machine_cache_file
+from dspark.scheduling.profile import CostTable, profile_target
+from dspark.target import Target
+
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+@dataclass
+class PrecisionChoice:
+    dtype: str
+    reason: str
+    step_ms: dict  # {"float32": {"1": ms, "8": ms}, ...} where measured
+
+
+def cpu_name() -> str:
+    try:
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().split("\n")
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        import platform
+
+        return platform.processor() or "unknown"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().split("\n"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16_flags() -> list[str]:
+    """This CPU's flags for native bfloat16 arithmetic; empty where bfloat16 is emulated (and slower than float32)."""
+    flags = cpu_flags()
+    return sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
+
+
+def choose_precision(model: str, load) -> PrecisionChoice:
+    """The precision for `model` on this machine; `load(dtype)` returns a Target (only called when measuring)."""
+    native = native_bf16_flags()
+    if not native:
+        return PrecisionChoice(
+            "float32", "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is faster", {}
+        )
+    path = machine_cache_file("precision", model)
+    if path.exists():
+        return PrecisionChoice(**json.loads(path.read_text()))
+    times = {}
+    for dtype in ("float32", "bfloat16"):
+        table = profile_target(load(dtype), token_counts=(1, 8), context=128, repeats=5)
+        times[dtype] = {str(n): ms for n, ms in zip(table.token_counts, table.step_time_ms)}
+    cost = {dtype: t["1"] + t["8"] for dtype, t in times.items()}
+    dtype = min(cost, key=cost.get)
+    bf, fp = times["bfloat16"], times["float32"]
+    reason = (
+        f"this CPU has {'/'.join(native)}; measured here, a 1-token step took {bf['1']:.1f} ms in bfloat16 vs "
+        f"{fp['1']:.1f} ms in float32, an 8-token verify {bf['8']:.1f} vs {fp['8']:.1f} ms"
+    )
+    choice = PrecisionChoice(dtype, reason, times)
+    atomic_write_json(path, asdict(choice))
+    return choice
+
+
+def choose_product_forms(target: Target, repeats: int = 3) -> Target:
+    """Run the products in the forms that are faster on this machine: few-row products (the verify of a few
+    drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, for bfloat16 with oneDNN, packed weights or not
+    (decoder.PackedWeight). Real forwards of 4 and 8 new tokens (and of 1, for packing) are timed in each form
+    once per machine, precision and thread count (a few seconds), then read from the dspark cache."""
+    path = machine_cache_file("kernels", target.name, str(target.dtype).removeprefix("torch."))
+    try:
+        saved = json.loads(path.read_text())
+        # the transposed form is not batch-invariant: bfloat16 never takes it (records from before may say so)
+        target.decoder.few_rows_transposed = bool(saved["few_rows_transposed"]) and not target.decoder.batch_invariant
+        return target.use_packed_weights(bool(saved["packed"]))
+    except (OSError, ValueError, KeyError):
+        pass  # not measured yet here (or the file is damaged, or from before packing): measure
+    cache = target.new_cache(1)
+    # Its own generator: loading a model must not move the caller's random state (a seeded training run).
+    ids = torch.randint(0, min(target.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
+    target.forward(cache, ids[:, :64], logits="last")
+
+    def fastest(forms: dict, widths: tuple[int, ...]) -> dict:
+        best = {form: float("inf") for form in forms}
+        for _ in range(repeats + 1):  # forms interleaved, best of each: robust to other work on the machine
+            for form, apply in forms.items():
+                apply()
+                start = time.perf_counter()
+                for n in widths:
+                    target.forward(cache, ids[:, 64 : 64 + n])
+                    cache.rollback(cache.lengths - n)
+                best[form] = min(best[form], time.perf_counter() - start)
+        return best
+
+    def few_rows(form):
+        return lambda: setattr(target.decoder, "few_rows_transposed", form)
+
+    forms = {"linear": few_rows(False)}
+    if not target.decoder.batch_invariant:
+        forms["transposed"] = few_rows(True)
+    verify = fastest(forms, (4, 8))
+    # Only where the products dominate (the real 135M target: 350 ms here; a tiny test model: 5 ms, mostly Python):
+    # below that the timings are noise, and a coin-flip choice would make otherwise identical runs differ in
+    # their last bits.
+    real = verify["linear"] > 0.05
+    target.decoder.few_rows_transposed = verify.get("transposed", 1e9) < 0.85 * verify["linear"] and real
+    record = {
+        "few_rows_transposed": target.decoder.few_rows_transposed,
+        "packed": False,
+        "verify_4_and_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()},
+    }
+    if real and packing_available(target.lm_head.weight):
+        forms = {"plain": lambda: target.use_packed_weights(False), "packed": lambda: target.use_packed_weights(True)}
+        step, verify = fastest(forms, (1,)), fastest(forms, (8,))
+        # Packing pays in the verify (many rows): adopted where it is clearly faster there and no slower a step.
+        record["packed"] = verify["packed"] < 0.9 * verify["plain"] and step["packed"] < 1.05 * step["plain"]
+        record["step_ms"] = {k: round(1000 * v, 2) for k, v in step.items()}
+        record["verify_8_ms"] = {k: round(1000 * v, 2) for k, v in verify.items()}
+    target.use_packed_weights(record["packed"])
+    atomic_write_json(path, record)
+    return target
+
+
+def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
+    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
+    read from the dspark cache."""
+    # The product forms are part of the key: a table measured in other forms would be stale.
+    form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
+    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form)
+    if path.exists():
+        return CostTable.load(path)
+    table = profile_target(target, token_counts, repeats=repeats)
+    table.save(path)
+    return table
+
+
+def tune(target: Target) -> Target:
+    """The target in this machine's fastest product forms (measured the first time, then read from the cache)."""
+    return choose_product_forms(target) if target.device.type == "cpu" and not target.quantized else target
+
+
+def autotune(model: str, force: bool = False, progress=print) -> dict:
+    """Every decision for `model` on this machine, measured now where missing (all of them with `force`)."""
+    if force:
+        for kind in ("precision", "kernels", "costs"):
+            folder, key = machine_cache_file(kind, model).parent, model.replace("/", "_").strip("_.")
+            for path in folder.glob(f"{key}-*"):
+                path.unlink()
+    loaded = {}
+
+    def load(dtype: str) -> Target:
+        if dtype not in loaded:
+            progress(f"dspark: timing {model} in {dtype}")
+            loaded[dtype] = tune(Target.load(model, dtype=dtype))
+        return loaded[dtype]
+
+    choice = choose_precision(model, load)
+    target = load(choice.dtype)
+    table = cached_cost_table(target)
+    return {
+        "machine": {"cpu": cpu_name(), "native_bfloat16": native_bf16_flags(), "threads": torch.get_num_threads()},
+        "precision": asdict(choice),
+        "batch_invariant": target.decoder.batch_invariant,
+        "product_forms": {"few_rows_transposed": target.decoder.few_rows_transposed, "packed": target.decoder.packed},
+        "cost_table_ms": dict(zip(table.token_counts, table.step_time_ms)),
+    }

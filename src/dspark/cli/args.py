@@ -1,0 +1,317 @@
+"""Argument types and groups shared by the subcommands, and the steps every command takes before its work (loading the target, checking paths and flags)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+from dspark.errors import DSparkError
+from dspark.fsutil import check_input_file
+
+
+def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None:
+    from dspark.models import DEFAULT_TARGET
+
+    p.add_argument(
+        "--model", default=DEFAULT_TARGET, help=f"known target name or HF model folder (default {DEFAULT_TARGET})"
+    )
+    if auto_dtype:
+        p.add_argument(
+            "--dtype",
+            default="auto",
+            choices=["auto", "float32", "bfloat16"],
+            help="target precision; auto: the faster one on this CPU (measured once, cached). float32 "
+            "output of speculative decoding is token-for-token that of plain decoding",
+        )
+        p.add_argument(
+            "--quantize",
+            choices=["none", "int8"],
+            default="none",
+            help="int8: weight-only int8 target (per-channel scales); plain and speculative decoding "
+            "share it, so they still agree",
+        )
+    else:
+        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="precision of the weights")
+    p.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0 = torch's default)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=finite_float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=None)
+
+
+def sampling_from(args):
+    from dspark.sampling import SamplingParams
+
+    return SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+
+
+def positive_int(text: str) -> int:
+    value = _int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def threads(text: str) -> int:
+    """0 (torch's default) up to a few times the machine's cores: more only thrashes."""
+    import os
+
+    value, most = _int(text), 4 * (os.cpu_count() or 1)
+    if not 0 <= value <= most:
+        raise argparse.ArgumentTypeError(f"must be between 0 (torch's default) and {most} on this machine, got {value}")
+    return value
+
+
+def is_plain_name(text: str) -> bool:
+    """Letters, digits, '.', '_', '-': safe as a file name and inside a markdown section marker."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", text) is not None
+
+
+def section_name(text: str) -> str:
+    if not is_plain_name(text):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a plain name (letters, digits, '.', '_', '-')")
+    return text
+
+
+def finite_float(text: str) -> float:
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    return [_int(x) for x in text.split(",")]
+
+
+def prompt_mix(text: str) -> dict[str, float]:
+    mix = {}
+    for part in text.split(","):
+        name, _, share = part.partition("=")
+        try:
+            mix[name.strip()] = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"write each share as SOURCE=NUMBER, got {part!r}") from None
+        if not math.isfinite(mix[name.strip()]) or mix[name.strip()] < 0:
+            raise argparse.ArgumentTypeError(f"a share must be a number >= 0, got {part!r}")
+    return mix
+
+
+def str_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
+def default_eval_dir() -> Path:
+    from dspark.assets import EVAL_DIR
+
+    return EVAL_DIR
+
+
+def setup_torch(args) -> None:
+    import torch
+
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
+
+
+def load_target(args, layer_ids=None):
+    """The target in --dtype, in this machine's fastest product forms; for auto, the precision this machine runs
+    fastest (said on stderr, with why). The machine's tuning is measured the first time (`dspark autotune`), then
+    read from the cache."""
+    from dspark.autotune import choose_precision, tune
+    from dspark.target import Target
+
+    setup_torch(args)
+    quantize = getattr(args, "quantize", None)
+    loaded = {}
+
+    def load(dtype):
+        loaded[dtype] = Target.load(args.model, dtype=dtype, layer_ids=layer_ids, quantize=quantize)
+        return loaded[dtype]
+
+    if args.dtype == "auto":
+        choice = choose_precision(args.model + ("-int8" if quantize == "int8" else ""), lambda d: tune(load(d)))
+        args.dtype = choice.dtype
+        print(f"dspark: precision {choice.dtype}: {choice.reason} (--dtype overrides)", file=sys.stderr)
+    return tune(loaded.get(args.dtype) or load(args.dtype))
+
+
+def build_policy(args, target=None, drafter_path=None):
+    from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+
+    if args.schedule or args.cost_table:
+        from dspark.scheduling.planner import build_scheduler
+
+        return build_scheduler(target, drafter_path, args.cost_table, args.calibration, args.scheduler)
+    if args.calibration:
+        raise DSparkError("--calibration sets the scheduler's temperatures; add --schedule (or --cost-table)")
+    if args.confidence_threshold is not None:
+        return ConfidenceThreshold(args.confidence_threshold)
+    return FixedLength(args.verify_length)
+
+
+def add_policy_args(p: argparse.ArgumentParser) -> None:
+    """One way to choose verification lengths per command: the flags of the others are refused beside it."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument(
+        "--verify-length",
+        type=nonnegative_int,
+        default=None,
+        help="verify this many draft tokens per round (default γ)",
+    )
+    g.add_argument(
+        "--confidence-threshold", type=finite_float, default=None, help="verify up to the first c_k below this"
+    )
+    g.add_argument(
+        "--schedule",
+        action="store_true",
+        help="confidence-scheduled verification (Algorithm 1) with this machine's cost table (profiled once, "
+        "cached) and the drafter's shipped calibration; --cost-table / --calibration replace either",
+    )
+    p.add_argument("--cost-table", help="cost table JSON (`dspark profile`) for the scheduler (implies --schedule)")
+    p.add_argument("--calibration", help="STS temperatures JSON (`dspark calibrate`) for the scheduler")
+    p.add_argument(
+        "--scheduler",
+        choices=["algorithm1", "production"],
+        default="algorithm1",
+        help="algorithm1: the paper's prefix search with early stop; production: a global budget from "
+        "confidences two steps old, spent on the current best candidates (paper §5.2)",
+    )
+
+
+def check_policy_args(args) -> None:
+    """Verification flags make sense together and with a drafter; the drafter is a checkpoint (before any load)."""
+    if not args.drafter and (
+        args.schedule
+        or args.cost_table
+        or args.calibration
+        or args.verify_length is not None
+        or args.confidence_threshold is not None
+    ):
+        raise DSparkError(
+            "verification flags (--schedule, --verify-length ...) apply to speculative decoding; add --drafter PATH"
+        )
+    check_drafter_arg(args.drafter)
+    if args.cost_table and (args.verify_length is not None or args.confidence_threshold is not None):
+        raise DSparkError(
+            "--cost-table schedules verification; it cannot be combined with --verify-length or --confidence-threshold"
+        )
+    check_given_files(args, ("cost_table", "calibration"))
+    if args.calibration:
+        from dspark.scheduling.calibration import read_temperatures
+
+        read_temperatures(args.calibration)
+    if args.cost_table:
+        from dspark.scheduling.profile import CostTable
+
+        CostTable.load(args.cost_table)
+
+
+def check_given_files(args, names) -> None:
+    """Each of these optional file arguments, when given, names an existing file."""
+    for name in names:
+        if getattr(args, name):
+            check_input_file(getattr(args, name), f"--{name.replace('_', '-')}")
+
+
+def check_drafter_arg(path) -> None:
+    """A --drafter that is not a checkpoint (or ngram:DATA file) is refused before the target loads."""
+    from dspark.drafter import NGRAM_PREFIX, read_checkpoint_meta
+
+    if path and str(path).startswith(NGRAM_PREFIX):
+        if not Path(str(path)[len(NGRAM_PREFIX) :]).is_file():
+            raise DSparkError(f"--drafter {path}: no data file there (ngram:DATA wants regenerated JSONL)")
+    elif path:
+        read_checkpoint_meta(path)
+
+
+def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:
+    pairs = {}
+    for item in items:
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise DSparkError(f"{flag} takes LABEL=PATH (e.g. {example}), got '{item}'")
+        pairs[label] = path
+    return pairs
+
+
+def gguf_arg(given: str | None, model: str) -> Path:
+    """The target's GGUF: the given file, else the one a known target's package carries."""
+    from dspark.models import target_gguf
+
+    path = Path(given) if given else target_gguf(model)
+    if not path.is_file():
+        raise DSparkError(f"{path} does not exist; pass the GGUF file of the target model")
+    return path
+
+
+def add_config_flags(p: argparse.ArgumentParser, config_cls, skip=()) -> None:
+    """One flag per field of a config dataclass, from the field's type, default and help: an option is declared once,
+    in the dataclass. Every flag defaults to None so that only what the user typed overrides the config."""
+    import dataclasses
+
+    types = {"int": int, "float": finite_float, "str": str, "list[int]": int_list, "list[str]": str_list}
+    for f in dataclasses.fields(config_cls):
+        if f.name in skip:
+            continue
+        name = "--" + f.metadata.get("flag", f.name.replace("_", "-"))
+        kind = f.type.replace(" | None", "")
+        common = dict(dest=f.name, default=None, help=f.metadata["help"])
+        if kind == "bool":
+            p.add_argument(name, action=argparse.BooleanOptionalAction, **common)
+        else:
+            p.add_argument(name, type=types[kind], choices=f.metadata.get("choices"), **common)
+
+
+def command_line() -> str:
+    """The command as typed (with OMP_NUM_THREADS where set), for a benchmark's record of how it was run."""
+    import os
+    import shlex
+
+    env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
+    return env + "dspark " + shlex.join(sys.argv[1:])
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def why_outputs_differ(dtype: str, sampling=None) -> str:
+    """Why speculative and plain output can part, for the message that says they did."""
+    if sampling is not None and not sampling.greedy:
+        return (
+            " (sampling: the two runs draw different random numbers; they agree in distribution, not token by "
+            "token; pass --seed and --temperature 0 to compare tokens)"
+        )
+    if dtype == "float32":
+        return " (float32 output should be identical: please report this with the command)"
+    return (
+        f" ({dtype}: at a near-tie two tokens' logits differ by less than {dtype} rounding, and a forward of one "
+        "token and a forward of many round differently; --dtype float32 gives identical output)"
+    )

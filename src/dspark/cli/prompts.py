@@ -1,0 +1,48 @@
+"""`dspark prompts`: the offline training prompt mix."""
+
+from __future__ import annotations
+
+import json
+
+from dspark.cli.args import default_eval_dir, positive_int, prompt_mix
+from dspark.fsutil import check_output_file
+
+
+def register(sub) -> None:
+    p = sub.add_parser("prompts", help="build the offline training prompt mix (chat, math, code, instructions)")
+    p.add_argument("--out", required=True, help="prompts JSONL to write")
+    p.add_argument("--count", type=positive_int, default=10000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--eval-dir", default=str(default_eval_dir()), help="evaluation sets that prompts must not overlap")
+    p.add_argument(
+        "--mix",
+        type=prompt_mix,
+        help="shares per source, e.g. assist=1 or chat=0.18,math=0.39,code=0.39,"
+        "instruct=0.04 (default: chat 0.08, assist 0.10, math 0.39, code "
+        "0.39, instruct 0.04)",
+    )
+    p.add_argument(
+        "--exclude",
+        nargs="+",
+        default=[],
+        metavar="JSONL",
+        help="drop prompts whose opening user turn one of these files (JSONL or .jsonl.gz: earlier "
+        "regenerated sets) already holds, so new regeneration answers only new prompts",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from dspark.fsutil import atomic_write_json, atomic_write_text
+    from dspark.training.sources import build_prompts, drop_answered
+
+    check_output_file(args.out, "--out")
+    records, report = build_prompts(args.count, args.seed, args.eval_dir, args.mix)
+    if args.exclude:
+        kept = drop_answered(records, args.exclude)
+        report["excluded_already_answered"] = len(records) - len(kept)
+        records = kept
+    atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+    atomic_write_json(str(args.out) + ".report.json", report)
+    print(json.dumps(report))
+    return 0
