@@ -261,8 +261,10 @@ def test_training_walks_the_rounds_decoding_would_take(trained_tiny_drafter, tmp
     from dspark.bench.signal import along_rounds, score_answer
     from dspark.drafter import load_drafter
     from dspark.training.anchors import leading_runs, visited_anchors
+    from dspark.training.batches import anchor_generator, load_examples, plan_blocks
+    from dspark.training.evaluation import evaluate
     from dspark.training.features import OnlineFeatures
-    from dspark.training.trainer import anchor_generator, evaluate, load_examples, plan_blocks, train
+    from dspark.training.trainer import train
     from test_training import tiny_config
 
     folder, data, checkpoint = trained_tiny_drafter

@@ -341,7 +341,7 @@ def test_regeneration_time_limit_finishes_what_it_started_and_a_rerun_does_the_r
 
 # ---- the loop (tiny target, real files) -----------------------------------------------------------------------------
 def tiny_config(folder, data, out, **overrides):
-    from dspark.training.trainer import TrainConfig
+    from dspark.training.config import TrainConfig
 
     fields = dict(
         data=str(data),
@@ -371,7 +371,7 @@ def test_training_precision_defaults_to_what_is_native_on_the_machine(monkeypatc
     """Emulated bfloat16 made a training step 5.5x slower than float32 on an AVX2-only CPU: by default the target
     and the autocast use bfloat16 only on a GPU or a CPU with native bfloat16; what the user gives is kept."""
     import dspark.autotune as precision
-    from dspark.training.trainer import TrainConfig
+    from dspark.training.config import TrainConfig
 
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     default = TrainConfig(data="d.jsonl", out="run")
@@ -426,7 +426,8 @@ def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned
     wherever D could; the run resumes at the wider size; a smaller size is refused."""
     from dspark.drafter import load_drafter
     from dspark.target import Target
-    from dspark.training.trainer import resumed_config, train
+    from dspark.training.config import resumed_config
+    from dspark.training.trainer import train
 
     folder, data = tiny_run
     target = Target.load(str(folder), dtype="float32")
@@ -505,7 +506,8 @@ def test_add_draft_layers_deepens_a_trained_drafter_from_exactly_where_it_was(ti
     from dspark.drafter import load_drafter
     from dspark.sampling import SamplingParams
     from dspark.target import Target
-    from dspark.training.trainer import resumed_config, train
+    from dspark.training.config import resumed_config
+    from dspark.training.trainer import train
 
     folder, data = tiny_run
     target = Target.load(str(folder), dtype="float32")
@@ -672,8 +674,10 @@ def test_resumed_run_takes_appended_data_and_extends_its_feature_cache(tiny_run,
     examples get their own feature-cache build (equal to the target run live), join from a new epoch, and the
     checkpoint remembers the larger data; data that does not begin with the records seen is refused."""
     from dspark.target import Target
+    from dspark.training.batches import load_examples
+    from dspark.training.config import resumed_config
     from dspark.training.features import CachedFeatures, OnlineFeatures
-    from dspark.training.trainer import load_examples, resumed_config, train
+    from dspark.training.trainer import train
 
     folder, data = tiny_run
     lines = data.read_text().splitlines(keepends=True)
@@ -754,8 +758,9 @@ def test_periodic_real_decoding_evaluation_logs_what_the_engine_measures(tiny_ru
 def test_held_out_tau_is_split_by_prompt_source(tiny_run):
     from conftest import tiny_drafter
     from dspark.target import Target
+    from dspark.training.batches import load_examples
+    from dspark.training.evaluation import evaluate
     from dspark.training.features import OnlineFeatures
-    from dspark.training.trainer import evaluate, load_examples
 
     folder, data = tiny_run
     target = Target.load(str(folder))
@@ -961,7 +966,7 @@ def test_bigram_init_puts_the_datas_bigrams_into_the_markov_head(target):
     of the answers, restricted to the draft vocabulary; a bigram counts only inside an answer (as anchors do)."""
     from conftest import tiny_drafter
     from dspark.training.data import Example
-    from dspark.training.trainer import init_markov_from_bigrams
+    from dspark.training.init import init_markov_from_bigrams
 
     drafter = tiny_drafter(target, markov_rank=8, draft_vocab_size=6)
     drafter.set_draft_vocab(torch.tensor([10, 11, 12, 13, 14, 15]))
@@ -984,7 +989,7 @@ def test_bigram_init_puts_the_datas_bigrams_into_the_markov_head(target):
 @pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="needs glibc's malloc_trim")
 def test_return_freed_memory_hands_the_heaps_free_blocks_back_to_the_system():
     """A CPU training run grew ~40 MB a step on blocks glibc kept after free(); the trainer trims every ten steps."""
-    from dspark.training.trainer import return_freed_memory
+    from dspark.training.runtime import return_freed_memory
 
     def rss():
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import torch
 
+from dspark.training.batches import block_loss, load_examples, plan_blocks
+from dspark.training.config import TrainConfig
 from dspark.training.features import CachedFeatures, OnlineFeatures, build_feature_cache
-from dspark.training.trainer import TrainConfig, block_loss, draft_vocabulary, load_examples, plan_blocks
+from dspark.training.init import draft_vocabulary
 
 LEVERS = {
     "baseline: full vocabulary, full q, online": {},

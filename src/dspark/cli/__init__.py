@@ -4,6 +4,7 @@ command-line arguments; each calls the library."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from dspark.errors import DSparkError
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dspark: error: `dspark {argv[0]}` is now `dspark {RENAMED[argv[0]]}`", file=sys.stderr)
         return 2
     args = build_parser().parse_args(argv)
+    logging.basicConfig(format="dspark: %(message)s", level=logging.INFO, stream=sys.stderr)
     try:
         return args.func(args)
     except DSparkError as e:

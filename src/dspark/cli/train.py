@@ -11,7 +11,7 @@ from dspark.fsutil import check_input_file, check_output_dir
 
 
 def register(sub) -> None:
-    from dspark.training.trainer import TrainConfig
+    from dspark.training.config import TrainConfig
 
     p = sub.add_parser("train", help="train a drafter for a target (alone or under torchrun)")
     p.add_argument("--out", required=True, help="run folder: checkpoint/, metrics.jsonl")
@@ -30,7 +30,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from dataclasses import fields
 
-    from dspark.training.trainer import TrainConfig, resumed_config, train
+    from dspark.training.config import TrainConfig, resumed_config
+    from dspark.training.trainer import train
 
     given = {f.name: getattr(args, f.name) for f in fields(TrainConfig) if getattr(args, f.name, None) is not None}
     if args.resume:
