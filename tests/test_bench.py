@@ -235,7 +235,7 @@ def test_teacher_forcing_along_the_rounds_is_real_decoding(trained_tiny_drafter)
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.policy import FixedLength
     from dspark.drafter import load_drafter
-    from dspark.training.data import Example
+    from dspark.records import Example
 
     folder, _, checkpoint = trained_tiny_drafter
     target = Target.load(str(folder))
@@ -355,8 +355,8 @@ def test_signal_reads_the_targets_confidence_in_its_own_greedy_tokens(trained_ti
     from dspark.bench.signal import score_answer
     from dspark.decoding.plain import generate_plain
     from dspark.drafter import load_drafter
+    from dspark.records import Example
     from dspark.target import Target
-    from dspark.training.data import Example
 
     folder, _, checkpoint = trained_tiny_drafter
     target = Target.load(str(folder), dtype="float32")

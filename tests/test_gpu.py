@@ -14,8 +14,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 
 def test_regeneration_on_the_gpu_writes_what_the_cpu_writes(tiny_run, tmp_path):
+    from dspark.records import read_records
     from dspark.target import Target
-    from dspark.training.data import read_records
     from dspark.training.regenerate import regenerate
 
     folder, data = tiny_run

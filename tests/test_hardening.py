@@ -411,7 +411,7 @@ def test_training_data_is_checked_against_the_target(tiny_run, tmp_path, capsys)
 
 # ---- reading text ---------------------------------------------------------------------------------------------------
 def test_jsonl_records_may_hold_line_separators(tmp_path):
-    from dspark.training.data import read_records
+    from dspark.records import read_records
 
     path = tmp_path / "p.jsonl"
     path.write_text(
@@ -426,7 +426,7 @@ def test_jsonl_records_may_hold_line_separators(tmp_path):
 
 
 def test_non_utf8_prompts_name_the_line(tmp_path):
-    from dspark.training.data import read_records
+    from dspark.records import read_records
 
     path = tmp_path / "p.txt"
     path.write_bytes(b"fine\nbad \xff byte\n")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import tiny_target
 from dspark.errors import DSparkError
+from dspark.records import examples_from_record, read_records
 from dspark.training import regenerate as regen_mod
 from dspark.training.anchors import (
     answer_spans,
@@ -27,7 +28,6 @@ from dspark.training.anchors import (
     sample_anchors,
     visited_anchors,
 )
-from dspark.training.data import examples_from_record, read_records
 from dspark.training.loss import LossWeights, TargetDist, dspark_loss, l1_distance
 
 
@@ -782,7 +782,7 @@ def test_held_out_tau_is_split_by_prompt_source(tiny_run):
 
 
 def test_evaluation_slice_reaches_every_file_of_a_concatenated_mix():
-    from dspark.training.data import Example, spread_slice
+    from dspark.records import Example, spread_slice
 
     # Three files one after another, as `zcat data/*regen*.jsonl.gz` makes them; the last is the smallest.
     held = [
@@ -812,7 +812,7 @@ def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
 
 def test_online_q_scores_repeated_positions_once_and_answers_each_pair(target, monkeypatch):
     """Overlapping blocks ask for the same position many times; each asked (row, position) still gets its own q."""
-    from dspark.training.data import Example
+    from dspark.records import Example
     from dspark.training.features import OnlineFeatures
 
     examples = [Example(list(range(10, 22)), [0] * 4 + [1] * 8), Example(list(range(30, 39)), [0] * 3 + [1] * 6)]
@@ -932,8 +932,8 @@ def test_a_base_model_without_chat_template_regenerates_and_trains(tiny_run, tmp
 
     from transformers import AutoTokenizer
 
+    from dspark.records import examples_from_record, read_records
     from dspark.target import Target
-    from dspark.training.data import examples_from_record, read_records
     from dspark.training.regenerate import regenerate
     from dspark.training.trainer import train
 
@@ -965,7 +965,7 @@ def test_bigram_init_puts_the_datas_bigrams_into_the_markov_head(target):
     """--markov-init bigram: with a rank covering the matrix, W2·W1[prev] is exactly the centred bigram log-probability
     of the answers, restricted to the draft vocabulary; a bigram counts only inside an answer (as anchors do)."""
     from conftest import tiny_drafter
-    from dspark.training.data import Example
+    from dspark.records import Example
     from dspark.training.init import init_markov_from_bigrams
 
     drafter = tiny_drafter(target, markov_rank=8, draft_vocab_size=6)

@@ -24,8 +24,8 @@ from dspark.bench.report import save_figure
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.stats import SpecStats
+from dspark.records import Example
 from dspark.training.anchors import anchor_candidates, answer_spans, decoding_rounds, leading_runs
-from dspark.training.data import Example
 
 
 @dataclass

@@ -26,8 +26,8 @@ def run(args) -> int:
     from dspark.assets import eval_prompts
     from dspark.drafter import load_drafter
     from dspark.fsutil import atomic_write_json
+    from dspark.records import read_records
     from dspark.scheduling.calibration import collect_rounds, fit_sts, reliability_plot, report
-    from dspark.training.data import read_records
 
     check_drafter_arg(args.drafter)
     check_output_file(args.out, "--out")

@@ -51,8 +51,8 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from dspark.records import read_records
     from dspark.target import Target, resolve_device
-    from dspark.training.data import read_records
     from dspark.training.regenerate import completed_ids, regenerate
 
     prompts, out = Path(args.prompts), check_output_file(args.out, "--out")

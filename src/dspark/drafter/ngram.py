@@ -53,7 +53,7 @@ class NgramProposer:
     @classmethod
     def from_data(cls, path, target, block_size: int = 7) -> NgramProposer:
         """From a regenerated data file: every conversation's prompt and answers as the target produced them."""
-        from dspark.training.data import examples_from_record, read_records
+        from dspark.records import examples_from_record, read_records
 
         sequences = [
             e.input_ids for r in read_records(path) for e in examples_from_record(target.tokenizer, r, 1 << 30)

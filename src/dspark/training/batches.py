@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dspark.errors import DSparkError
+from dspark.records import Example, examples_from_record, read_records
 from dspark.training.anchors import (
     block_supervision,
     leading_runs,
@@ -18,7 +19,6 @@ from dspark.training.anchors import (
     visited_anchors,
 )
 from dspark.training.config import TrainConfig
-from dspark.training.data import Example, examples_from_record, read_records
 from dspark.training.features import TargetBatch
 from dspark.training.loss import LossWeights, dspark_loss
 

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
+from dspark.records import Example
 from dspark.training.anchors import (
     leading_runs,
     rounds_by_row,
 )
 from dspark.training.batches import plan_blocks
 from dspark.training.config import TrainConfig
-from dspark.training.data import Example
 
 # Blocks per held-out sequence: fixed, so runs trained with different --num-anchors are measured alike.
 EVAL_ANCHORS = 256

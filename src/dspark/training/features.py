@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_dir
-from dspark.training.data import Example
+from dspark.records import Example
 from dspark.training.loss import TargetDist
 
 

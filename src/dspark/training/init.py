@@ -8,8 +8,8 @@ import torch
 
 from dspark.drafter import lineage, load_drafter, new_drafter, port_to_qwen3, read_checkpoint_meta
 from dspark.errors import DSparkError
+from dspark.records import Example
 from dspark.training.config import TrainConfig
-from dspark.training.data import Example
 
 log = logging.getLogger("dspark.train")
 

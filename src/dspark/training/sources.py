@@ -688,7 +688,7 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
 def drop_answered(records: list[dict], answered_files: list) -> list[dict]:
     """The records whose opening user turn none of these files (earlier regenerated sets) holds: the same opening
     is the same prompt to answer."""
-    from dspark.training.data import read_records
+    from dspark.records import read_records
 
     def opening(record):
         return next(m["content"].strip() for m in record["messages"] if m["role"] == "user")

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from dspark.drafter import read_checkpoint_meta
 from dspark.errors import DSparkError
 from dspark.fsutil import recover_dir
+from dspark.records import spread_slice
 from dspark.training.batches import (
     anchor_generator,
     block_loss,
@@ -36,7 +37,6 @@ from dspark.training.batches import (
 )
 from dspark.training.checkpoint import keep_metrics_up_to, load_checkpoint, save_checkpoint
 from dspark.training.config import TrainConfig
-from dspark.training.data import spread_slice
 from dspark.training.evaluation import decode_eval, decode_eval_prompts, evaluate
 from dspark.training.features import CachedFeatures, OnlineFeatures, build_feature_cache
 from dspark.training.init import build_drafter, param_groups

@@ -41,8 +41,8 @@ def run(args) -> int:
     from dspark.assets import eval_prompts, shipped_drafter
     from dspark.bench.signal import signal_plot, signal_report, signal_section
     from dspark.drafter import load_drafter, read_checkpoint_meta, training_totals
+    from dspark.records import spread_slice
     from dspark.training.batches import load_examples
-    from dspark.training.data import spread_slice
 
     if not 0 <= args.holdout < 1:
         raise DSparkError(

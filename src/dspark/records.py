@@ -1,4 +1,5 @@
-"""Chat data: reading and validating records, and turning them into token sequences with assistant loss masks.
+"""Chat data files (prompts and regenerated answers): reading and validating records, and turning them into token
+sequences with assistant loss masks. Shared by training, the n-gram drafter, calibration and the benchmarks.
 
 Accepted inputs: JSONL of OpenAI-style {"messages": [{"role", "content"}, ...]}, evaluation-style {"turns": [...]}
 (user turns), or {"prompt": "..."}; or a .txt file with one prompt per line. Every record is validated before any
