@@ -24,6 +24,14 @@ def register(sub) -> None:
         import_module(f"dspark.cli.bench.{kind}").register(kinds)
 
 
+def add_output_args(p) -> None:
+    p.add_argument("--out", default="bench", help="folder for the JSON result, the plots and the report (NAME.md)")
+    p.add_argument(
+        "--markdown",
+        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
+    )
+
+
 def check_bench_args(args, drafters) -> Path:
     """A benchmark's drafters, evaluation sets and output paths, refused before any model loads. Returns --out."""
     from dspark.assets import eval_path

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli.args import positive_int, setup_torch, threads
-from dspark.cli.bench import check_bench_args, publish
+from dspark.cli.bench import add_output_args, check_bench_args, publish
 from dspark.models import DEFAULT_TARGET
 
 
@@ -24,11 +24,7 @@ def register(sub) -> None:
     p.add_argument("--drafter", help="drafter for the DSpark rows (default: the shipped one)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"])
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

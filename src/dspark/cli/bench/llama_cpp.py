@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from dspark.cli.args import add_target_args, gguf_arg, load_target, positive_int
-from dspark.cli.bench import check_bench_args, publish
+from dspark.cli.bench import add_output_args, check_bench_args, publish
 
 
 def register(sub) -> None:
@@ -30,11 +30,7 @@ def register(sub) -> None:
         help="llama.cpp runs the target's GGUF as shipped (quantized: what users run), a float32 copy "
         "of it (our arithmetic: outputs and acceptance comparable with ours), or both",
     )
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

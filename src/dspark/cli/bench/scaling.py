@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 from dspark.cli.args import section_name
-from dspark.cli.bench import publish
+from dspark.cli.bench import add_output_args, publish
 from dspark.errors import DSparkError
 from dspark.fsutil import check_output_dir, check_output_file
 
@@ -24,11 +24,7 @@ def register(sub) -> None:
         help="the τ to extrapolate to: for every set (3) and/or per set (mt-bench=2)",
     )
     p.add_argument("--name", default="scaling", type=section_name, help="name of the result files and section")
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

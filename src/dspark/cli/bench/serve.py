@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli.args import add_target_args, load_target, positive_int
-from dspark.cli.bench import check_bench_args, publish
+from dspark.cli.bench import add_output_args, check_bench_args, publish
 
 
 def register(sub) -> None:
@@ -22,11 +22,7 @@ def register(sub) -> None:
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--datasets", nargs="+", default=["mt-bench", "gsm8k", "humaneval"])
     p.add_argument("--prompts-per-set", type=positive_int, default=8)
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from dspark.cli.args import add_target_args, finite_float, load_target, nonnegative_int, positive_int
-from dspark.cli.bench import check_bench_args, publish
+from dspark.cli.bench import add_output_args, check_bench_args, publish
 from dspark.errors import DSparkError
 
 
@@ -29,11 +29,7 @@ def register(sub) -> None:
     p.add_argument("--offset", type=nonnegative_int, default=0, help="skip this many prompts of each set")
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
     p.add_argument("--name", default="signal", help="name of the result files and of the BENCHMARKS.md section")
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

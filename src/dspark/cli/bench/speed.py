@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli.args import finite_float, parse_labelled, positive_int, setup_torch, threads
-from dspark.cli.bench import check_bench_args, publish
+from dspark.cli.bench import add_output_args, check_bench_args, publish
 from dspark.models import DEFAULT_TARGET
 
 
@@ -32,11 +32,7 @@ def register(sub) -> None:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="quick", help="name of the result files and of the BENCHMARKS.md section")
-    p.add_argument("--out", default="bench", help="folder for the JSON result and the plots")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from dspark.cli.args import command_line, nonnegative_int, positive_int, setup_torch, threads
+from dspark.cli.bench import add_output_args
 from dspark.fsutil import check_output_dir, check_output_file
 from dspark.models import DEFAULT_TARGET
 
@@ -18,11 +19,7 @@ def register(sub) -> None:
     p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--batch-size", type=positive_int, default=4)
     p.add_argument("--markov-rank", type=nonnegative_int, default=64)
-    p.add_argument("--out", default="bench")
-    p.add_argument(
-        "--markdown",
-        help="also write the section into this markdown file (BENCHMARKS.md); by default only --out is written",
-    )
+    add_output_args(p)
     p.set_defaults(func=run)
 
 
