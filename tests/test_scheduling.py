@@ -55,6 +55,25 @@ def test_algorithm_1_by_hand():
         PrefixScheduler(flat).lengths(None, 3, 1)
 
 
+def test_the_scheduler_plans_with_the_cost_of_the_batch_shape():
+    """A ragged verify pads every row to the longest: with a grid of batch shapes, a second request's deep drafts
+    cost the whole batch a wider forward, which the total-token curve does not see."""
+    grid = [
+        {"batch_size": rows, "tokens_per_row": width, "ms": 10.0 + 0.2 * rows * (width - 1) + (8.0 if width > 2 else 0)}
+        for rows in (1, 4)
+        for width in (1, 2, 3, 4)
+    ]
+    shaped = CostTable([1, 16], [10.0, 10.5], {"grid": grid})
+    assert shaped.has_shapes and not CostTable([1, 16], [10.0, 10.5]).has_shapes
+    assert shaped.shape_time(1, 2) == pytest.approx(10.2) and shaped.shape_time(4, 3) == pytest.approx(19.6)
+    assert shaped.shape_time(2, 2) == pytest.approx(10.0 + 0.2 * 2)  # between profiled batch sizes: linear in rows
+    assert shaped.shape_time(8, 2) == pytest.approx(2 * (10.0 + 0.2 * 4))  # beyond: proportional
+    conf = torch.tensor([[logit(0.95), logit(0.9), logit(0.9)]] * 4)
+    # by total tokens verifying is nearly free, so every draft is admitted; by shape, a third column costs 8 ms
+    assert PrefixScheduler(CostTable([1, 16], [10.0, 10.5])).lengths(conf, 3, 4).tolist() == [3, 3, 3, 3]
+    assert PrefixScheduler(shaped).lengths(conf, 3, 4).tolist() == [1, 1, 1, 1]
+
+
 def appendix_a_first_token(scheduler_lengths, n=20000, seed=0):
     """Monte Carlo of the paper's Appendix A: target (0.7, 0.3), draft (0.5, 0.5), a1 = 0.8, c2 depends on x1."""
     g = torch.Generator().manual_seed(seed)

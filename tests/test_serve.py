@@ -292,7 +292,7 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     from dspark.scheduling.profile import CostTable
 
     target, drafter = tiny
-    monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t: CostTable([1, 8], [10.0, 12.0]))
+    monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t, **_: CostTable([1, 8], [10.0, 12.0]))
     drafter.save(tmp_path / "drafter", target.identity())
     rows = bench_serve.run_serve_bench(
         target, drafter, tmp_path / "drafter", [words(3), words(5, start=9)], [1, 2], 6, 2, progress=lambda _: None

@@ -149,15 +149,19 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     return target
 
 
-def cached_cost_table(target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5) -> CostTable:
-    """This machine's cost table for this target, precision and thread count: profiled once (a few seconds), then
-    read from the dspark cache."""
-    # The product forms are part of the key: a table measured in other forms would be stale.
+def cached_cost_table(
+    target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5, batch_sizes: tuple[int, ...] = (1,)
+) -> CostTable:
+    """This machine's cost table for this target, precision and thread count, at these batch sizes (several: a grid
+    of batch shapes, which the schedulers then plan with): profiled once (seconds; a minute for a server's grid),
+    then read from the dspark cache."""
+    # The product forms and the batch sizes are part of the key: a table measured otherwise would not fit.
     form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
-    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form)
+    rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
+    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form, *rows)
     if path.exists():
         return CostTable.load(path)
-    table = profile_target(target, token_counts, repeats=repeats)
+    table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes)
     table.save(path)
     return table
 

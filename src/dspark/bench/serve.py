@@ -18,15 +18,15 @@ from dspark.serve.app import ServeConfig, create_app
 from dspark.serve.local import LocalServer
 
 
-def policies(target, drafter_path, fixed_lengths=(1, 3, 7), threshold: float = 0.5) -> dict:
-    """label -> (uses the drafter, policy or None)."""
+def policies(target, drafter_path, fixed_lengths=(1, 3, 7), threshold: float = 0.5, batch_sizes=(1,)) -> dict:
+    """label -> (uses the drafter, policy or None); the schedulers plan with the cost of these batch sizes."""
     from dspark.scheduling.planner import build_scheduler
 
     out: dict[str, tuple[bool, VerifyPolicy | None]] = {"plain": (False, None)}
     out.update({f"fixed {n}": (True, FixedLength(n)) for n in fixed_lengths})
     out[f"threshold {threshold}"] = (True, ConfidenceThreshold(threshold))
-    out["algorithm1"] = (True, build_scheduler(target, drafter_path, kind="algorithm1"))
-    out["production"] = (True, build_scheduler(target, drafter_path, kind="production"))
+    for kind in ("algorithm1", "production"):
+        out[kind] = (True, build_scheduler(target, drafter_path, kind=kind, batch_sizes=batch_sizes))
     return out
 
 
@@ -88,7 +88,8 @@ def run_serve_bench(
     progress=print,
 ) -> list[dict]:
     rows = []
-    for label, (speculative, policy) in policies(target, drafter_path).items():
+    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32) if n <= max(concurrencies))}))
+    for label, (speculative, policy) in policies(target, drafter_path, batch_sizes=shapes).items():
         engine = SpeculativeEngine(target, drafter if speculative else None, policy)
         app = create_app(
             engine,

@@ -162,13 +162,13 @@ def load_target(args, layer_ids=None):
     return tune(loaded.get(args.dtype) or load(args.dtype))
 
 
-def build_policy(args, target=None, drafter_path=None):
+def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, ...] = (1,)):
     from dspark.decoding.policy import ConfidenceThreshold, FixedLength
 
     if args.schedule or args.cost_table:
         from dspark.scheduling.planner import build_scheduler
 
-        return build_scheduler(target, drafter_path, args.cost_table, args.calibration, args.scheduler)
+        return build_scheduler(target, drafter_path, args.cost_table, args.calibration, args.scheduler, batch_sizes)
     if args.calibration:
         raise DSparkError("--calibration sets the scheduler's temperatures; add --schedule (or --cost-table)")
     if args.confidence_threshold is not None:

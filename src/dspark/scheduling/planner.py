@@ -29,16 +29,17 @@ class PrefixScheduler:
         order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
         values = survival.flatten().tolist()
         ell = [0] * batch
-        tokens, tau = batch, float(batch)
-        best = tau * self.cost.sps(tokens)
+        tokens, tau, width = batch, float(batch), 1
+        best = tau * self.cost.rate(batch, width, tokens)
         for idx in order:
             r, j = divmod(idx, gamma)
             if j != ell[r]:
                 break  # only reachable through a tie across positions; stopping is always safe
-            theta = (tau + values[idx]) * self.cost.sps(tokens + 1)
+            wider = max(width, j + 2)  # rows are padded to the longest: [anchor, drafts 1..j+1]
+            theta = (tau + values[idx]) * self.cost.rate(batch, wider, tokens + 1)
             if theta <= best:
                 break
-            ell[r], tokens, tau, best = j + 1, tokens + 1, tau + values[idx], theta
+            ell[r], tokens, tau, best, width = j + 1, tokens + 1, tau + values[idx], theta, wider
         return torch.tensor(ell, dtype=torch.long)
 
     def describe(self) -> str:
@@ -61,12 +62,13 @@ class ProductionScheduler:
 
     def budget(self, survival: torch.Tensor) -> int:
         """Draft tokens worth verifying for these survival values: the global argmax of Θ."""
-        batch = survival.shape[0]
-        values = survival.flatten().sort(descending=True).values.tolist()
-        tau, best, best_k = float(batch), batch * self.cost.sps(batch), 0
-        for k, a in enumerate(values, 1):
+        batch, gamma = survival.shape
+        order = survival.flatten().sort(descending=True)
+        tau, width, best, best_k = float(batch), 1, batch * self.cost.rate(batch, 1, batch), 0
+        for k, (a, idx) in enumerate(zip(order.values.tolist(), order.indices.tolist()), 1):
             tau += a
-            theta = tau * self.cost.sps(batch + k)
+            width = max(width, idx % gamma + 2)
+            theta = tau * self.cost.rate(batch, width, batch + k)
             if theta > best:
                 best, best_k = theta, k
         return best_k
@@ -92,12 +94,18 @@ SCHEDULERS = {"algorithm1": PrefixScheduler, "production": ProductionScheduler}
 
 
 def build_scheduler(
-    target, drafter_path, cost_table: str | None = None, calibration: str | None = None, kind: str = "algorithm1"
+    target,
+    drafter_path,
+    cost_table: str | None = None,
+    calibration: str | None = None,
+    kind: str = "algorithm1",
+    batch_sizes: tuple[int, ...] = (1,),
 ):
-    """A confidence scheduler with the given cost table (else this machine's, profiled once and cached) and the
-    given STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none)."""
+    """A confidence scheduler with the given cost table (else this machine's, profiled once and cached; servers pass
+    `batch_sizes` so that it knows the cost of a batch's shape) and the given STS calibration (else the one shipped
+    beside the drafter; uncalibrated confidences when it has none)."""
     from dspark.autotune import cached_cost_table
 
-    cost = CostTable.load(cost_table) if cost_table else cached_cost_table(target)
+    cost = CostTable.load(cost_table) if cost_table else cached_cost_table(target, batch_sizes=batch_sizes)
     temps = read_temperatures(calibration) if calibration else drafter_temperatures(drafter_path)
     return SCHEDULERS[kind](cost, temps)

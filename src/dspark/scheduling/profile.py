@@ -2,7 +2,9 @@
 
 SPS(B) = target steps per second when the verify forward carries B tokens in total (bonus slots included),
 profiled once per engine, machine and precision. Stored in the interchange format TensorRT-LLM and SGLang read:
-{"token_counts": [...], "step_time_ms": [...], ...}.
+{"token_counts": [...], "step_time_ms": [...], ...}. Where it was profiled at several batch sizes, its grid (rows ×
+tokens per row, in `meta["grid"]`) also gives the cost of a batch's real shape: a ragged verify pads every row to
+the longest, so admitting one draft can cost a whole column of the batch.
 """
 
 from __future__ import annotations
@@ -45,6 +47,36 @@ class CostTable:
     def sps(self, tokens: int) -> float:
         """Target steps per second at `tokens` tokens per verify forward."""
         return 1000.0 / self.step_time(tokens)
+
+    @property
+    def has_shapes(self) -> bool:
+        """Whether the grid covers more than one batch size (else only the total-token curve is known)."""
+        return len({g["batch_size"] for g in self.meta.get("grid", [])}) > 1
+
+    def shape_time(self, rows: int, width: int) -> float:
+        """Milliseconds for a forward of `rows` rows padded to `width` tokens each: linear in width at each profiled
+        batch size, then linear in rows between them (proportional beyond the largest, like step_time)."""
+        by_rows: dict[int, list[tuple[int, float]]] = {}
+        for g in self.meta["grid"]:
+            by_rows.setdefault(int(g["batch_size"]), []).append((int(g["tokens_per_row"]), float(g["ms"])))
+        sizes = sorted(by_rows)
+
+        def at(size: int) -> float:
+            points = sorted(by_rows[size])
+            return CostTable([w for w, _ in points], [ms for _, ms in points]).step_time(width)
+
+        if rows <= sizes[0]:
+            return at(sizes[0])
+        if rows >= sizes[-1]:
+            return at(sizes[-1]) * rows / sizes[-1]
+        lo = max(s for s in sizes if s <= rows)
+        hi = min(s for s in sizes if s >= rows)
+        return at(lo) if lo == hi else at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
+
+    def rate(self, rows: int, width: int, tokens: int) -> float:
+        """Steps per second of a verify forward of `rows` rows, the longest `width` tokens, `tokens` real in all:
+        from the batch's shape where the grid knows shapes, else from the total-token curve."""
+        return 1000.0 / (self.shape_time(rows, width) if self.has_shapes else self.step_time(tokens))
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta})
