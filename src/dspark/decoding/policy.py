@@ -24,6 +24,9 @@ class VerifyPolicy(Protocol):
     def describe(self) -> str:
         """A few words for logs and reports."""
 
+    def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
+        """The policy's estimate that drafts 1..k all survive, [batch, γ] (None without a confidence head)."""
+
 
 def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:
     """c_k = σ(logit_k / T_k) (T = 1 unless calibrated)."""
@@ -34,7 +37,16 @@ def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> 
     return torch.sigmoid(logits)
 
 
-class FixedLength:
+class UncalibratedSurvival:
+    """survival() for policies that take the confidence head's logits as they are."""
+
+    def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
+        if confidence_logits is None:
+            return None
+        return torch.sigmoid(confidence_logits.float()).cumprod(dim=1)
+
+
+class FixedLength(UncalibratedSurvival):
     """Verify a fixed number of draft tokens (γ by default): plain chain drafting."""
 
     def __init__(self, length: int | None = None):
@@ -50,7 +62,7 @@ class FixedLength:
         return f"fixed({'γ' if self.length is None else self.length})"
 
 
-class ConfidenceThreshold:
+class ConfidenceThreshold(UncalibratedSurvival):
     """Static threshold (paper Fig. 5): stop before the first position whose confidence c_k is below `threshold`."""
 
     def __init__(self, threshold: float):

@@ -23,6 +23,11 @@ class PrefixScheduler:
         self.cost = cost
         self.temperatures = temperatures
 
+    def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
+        if confidence_logits is None:
+            return None
+        return confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
+
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
         # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
@@ -46,7 +51,7 @@ class PrefixScheduler:
         return "prefix scheduler" + (" (STS-calibrated)" if self.temperatures else "")
 
 
-class ProductionScheduler:
+class ProductionScheduler(PrefixScheduler):
     """The paper's production variant (§5.2): a global verify budget K from confidences two steps old, spent on
     the current step's candidates in order of their current survival.
 
@@ -57,7 +62,8 @@ class ProductionScheduler:
     j cannot decide whether j is verified: lossless, like Algorithm 1."""
 
     def __init__(self, cost, temperatures: list[float] | None = None, delay: int = 2):
-        self.cost, self.temperatures, self.delay = cost, temperatures, delay
+        super().__init__(cost, temperatures)
+        self.delay = delay
         self.budgets: list[int] = []
 
     def budget(self, survival: torch.Tensor) -> int:

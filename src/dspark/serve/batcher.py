@@ -135,7 +135,7 @@ class EngineLoop:
                 self._fail(subs[0], e)
 
     def _step(self, batch) -> None:
-        for row in self.engine.step(batch, self._emit):
+        for row in self.engine.step(batch, self._emit, on_round=self._on_round):
             self.metrics.record_stats(row.stats)
             self._finish(self.active.pop(row.request.index), row.request.finish_reason)
 
@@ -169,6 +169,11 @@ class EngineLoop:
             self._finish(sub, reason)
         self.active.clear()
         batch.rows.clear()
+
+    def _on_round(self, _index: int, confidence_logits, verified: int, accepted: int) -> None:
+        survival = self.engine.policy.survival(confidence_logits[None])[0]
+        if survival is not None:
+            self.metrics.record_round(survival, verified, accepted)
 
     def _emit(self, index: int, tokens: list[int]) -> None:
         sub = self.active.get(index)

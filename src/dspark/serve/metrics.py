@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 
+import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dspark.decoding.stats import SpecStats
@@ -49,6 +50,12 @@ class ServerMetrics:
             ["quantile"],
             registry=r,
         )
+        self.predicted_tokens = Counter(
+            "dspark_predicted_round_tokens",
+            "tokens the verification policy expected its rounds to yield (1 + the survival of every verified draft)",
+            registry=r,
+        )
+        self.round_tokens = Counter("dspark_round_tokens", "tokens the same rounds yielded", registry=r)
         self._recent = deque(maxlen=1000)
         self._stats = SpecStats(max(gamma, 1))
 
@@ -64,6 +71,12 @@ class ServerMetrics:
         for k, p in enumerate(s.accept_by_position(), 1):
             if p is not None:
                 self.accept_by_position.labels(k=str(k)).set(p)
+
+    def record_round(self, survival: torch.Tensor, verified: int, accepted: int) -> None:
+        """One row's round: the policy's survival estimates a_1..a_γ, how many drafts it verified, how many were
+        accepted. Predicted against realised tokens says whether the confidences mean what they say."""
+        self.predicted_tokens.inc(1 + float(survival[:verified].sum()))
+        self.round_tokens.inc(1 + accepted)
 
     def finished(self, reason: str, seconds: float) -> None:
         self.requests.labels(reason=reason).inc()
