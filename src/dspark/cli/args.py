@@ -1,4 +1,5 @@
-"""Argument types and groups shared by the subcommands, and the steps every command takes before its work (loading the target, checking paths and flags)."""
+"""Argument types and groups shared by the subcommands, and the steps every command takes before its work
+(loading the target, checking paths and flags)."""
 
 from __future__ import annotations
 

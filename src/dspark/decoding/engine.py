@@ -105,8 +105,8 @@ class SpeculativeEngine:
         return batch
 
     def _prefill(self, batch: Batch, contexts: list[list[int]], choose) -> torch.Tensor:
-        """Read `contexts` into the caches of `batch` (new, sized for them); its anchors are choose(last logits). Returns those
-        logits [B, V]."""
+        """Read `contexts` into the caches of `batch` (new, sized for them); its anchors are choose(last logits).
+        Returns those logits [B, V]."""
         ids, lengths = pad_prompts(contexts, self.target.device)
         out = self.target.forward(batch.tcache, ids, lengths, logits="last", features=self.layer_ids)
         batch.anchors = choose(out.logits[:, 0])

@@ -1,4 +1,5 @@
-"""Checkpoints: everything `--resume` needs, written atomically as JSON and safetensors (no pickle), checked field by field when read."""
+"""Checkpoints: everything `--resume` needs, written atomically as JSON and safetensors (no pickle), checked field by
+field when read."""
 
 from __future__ import annotations
 

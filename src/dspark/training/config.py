@@ -1,4 +1,5 @@
-"""The training run's configuration: every `dspark train` flag as a field, the presets, and what a resumed run may change."""
+"""The training run's configuration: every `dspark train` flag as a field, the presets, and what a resumed run may
+change."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Where a drafter starts: a new one (target layers, draft vocabulary, Markov head from bigrams) or a continued one (ported, deepened, widened), and its optimizer groups."""
+"""Where a drafter starts: a new one (target layers, draft vocabulary, Markov head from bigrams) or a continued one
+(ported, deepened, widened), and its optimizer groups."""
 
 from __future__ import annotations
 
