@@ -333,6 +333,37 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     assert all(0 < rows[s]["target_p_mean"] <= 1 and 0 <= rows[s]["target_p_below_half"] <= 1 for s in rows)
     assert f"| {rows['evalset']['target_p_mean']:.2f} ({rows['evalset']['target_p_below_half']:.2f}) |" in md
     assert run["training"]["legs"] == 1 and run["training"]["tokens"] > 0 and run["training"]["steps"] == 20
+    # a run trained with --holdout 0 has no held-out slice: measured without it
+    code, err = run_cli(
+        capsys,
+        "bench",
+        "signal",
+        "--model",
+        folder,
+        "--dtype",
+        "float32",
+        "--drafter",
+        checkpoint,
+        "--data",
+        data,
+        "--holdout",
+        0,
+        "--examples",
+        4,
+        "--datasets",
+        evalset,
+        "--prompts-per-set",
+        1,
+        "--max-new-tokens",
+        8,
+        "--out",
+        tmp_path / "zero",
+    )
+    assert code == 0, err
+    assert {r["slice"] for r in json.loads((tmp_path / "zero" / "signal.json").read_text())["rows"]} == {
+        "train",
+        "evalset",
+    }
     refused(
         capsys,
         "--holdout is a share",

@@ -87,6 +87,8 @@ def signal_report(
     answer runs to max_new_tokens and the rounds are comparable one to one)."""
     gamma, rows = drafter.block_size, []
     for name, examples in slices.items():
+        if not examples:  # a run trained with --holdout 0 has no held-out slice
+            continue
         scored = [score_answer(drafter, target, e) for e in examples]
         rows.append(
             row(
