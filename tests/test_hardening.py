@@ -128,13 +128,6 @@ with atomic_dir({str(out)!r}) as tmp:
     assert not list(tmp_path.glob(".checkpoint.tmp-*"))
 
 
-# Flags of a tiny drafter run on the tiny target, shared by the training cases below.
-TINY_RUN = (  # noqa: SIM905 - one line of flags reads better than fourteen list items
-    "--target-dtype float32 --num-draft-layers 1 --markov-rank 8 --block-size 4 --target-layer-ids 0,2 "
-    "--mask-token-id 63 --no-bf16 --quiet"
-).split()
-
-
 # ---- checkpoints that were damaged or edited ------------------------------------------------------------------------
 def edit_config(ckpt: Path, **drafter_fields):
     meta = json.loads((ckpt / "config.json").read_text())
@@ -202,6 +195,13 @@ def test_a_replacement_killed_half_way_is_undone(tmp_path):
     assert (path / "w").read_text() == "new" and not list(tmp_path.glob(".ckpt.*"))
 
 
+# Flags of a tiny drafter run on the tiny target, shared by the training cases below.
+TINY_RUN = (  # noqa: SIM905 - one line of flags reads better than fourteen list items
+    "--target-dtype float32 --num-draft-layers 1 --markov-rank 8 --block-size 4 --target-layer-ids 0,2 "
+    "--mask-token-id 63 --no-bf16 --quiet"
+).split()
+
+
 # ---- training: resume in place, no code from files --------------------------------------------------------------
 def test_resume_trains_in_the_given_folder_and_refuses_changes(tiny_run, tmp_path, capsys):
     folder, data = tiny_run
@@ -210,22 +210,9 @@ def test_resume_trains_in_the_given_folder_and_refuses_changes(tiny_run, tmp_pat
         data,
         "--model",
         folder,
-        "--target-dtype",
-        "float32",
-        "--num-draft-layers",
-        "1",
-        "--markov-rank",
-        "8",
-        "--block-size",
-        "4",
+        *TINY_RUN,
         "--batch-size",
         "4",
-        "--target-layer-ids",
-        "0,2",
-        "--mask-token-id",
-        "63",
-        "--no-bf16",
-        "--quiet",
         "--save-every",
         "2",
         "--eval-every",
