@@ -294,24 +294,13 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     folder, data, checkpoint = trained_tiny_drafter
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text("".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}"]}) + "\n" for i in range(3)))
+    signal = ["bench", "signal", "--model", folder, "--dtype", "float32", "--drafter", checkpoint, "--data", data]
+    signal += ["--examples", 4, "--datasets", evalset]
     code, err = run_cli(
         capsys,
-        "bench",
-        "signal",
-        "--model",
-        folder,
-        "--dtype",
-        "float32",
-        "--drafter",
-        checkpoint,
-        "--data",
-        data,
+        *signal,
         "--holdout",
         0.1,
-        "--examples",
-        4,
-        "--datasets",
-        evalset,
         "--prompts-per-set",
         2,
         "--max-new-tokens",
@@ -335,29 +324,7 @@ def test_bench_signal_cli_reports_every_slice(trained_tiny_drafter, tmp_path, ca
     assert run["training"]["legs"] == 1 and run["training"]["tokens"] > 0 and run["training"]["steps"] == 20
     # a run trained with --holdout 0 has no held-out slice: measured without it
     code, err = run_cli(
-        capsys,
-        "bench",
-        "signal",
-        "--model",
-        folder,
-        "--dtype",
-        "float32",
-        "--drafter",
-        checkpoint,
-        "--data",
-        data,
-        "--holdout",
-        0,
-        "--examples",
-        4,
-        "--datasets",
-        evalset,
-        "--prompts-per-set",
-        1,
-        "--max-new-tokens",
-        8,
-        "--out",
-        tmp_path / "zero",
+        capsys, *signal, "--holdout", 0, "--prompts-per-set", 1, "--max-new-tokens", 8, "--out", tmp_path / "zero"
     )
     assert code == 0, err
     assert {r["slice"] for r in json.loads((tmp_path / "zero" / "signal.json").read_text())["rows"]} == {

@@ -188,6 +188,11 @@ class KSplitWeight:
         self.blocks = [PackedWeight(b) if packed else b for b in blocks]
 
 
+def dense(weight):
+    """The plain matrix behind a product form (packed or column-split); a plain tensor as it is."""
+    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight)) else weight
+
+
 def packing_available(weight: torch.Tensor) -> bool:
     """Packed products exist for bfloat16 on a CPU torch built with oneDNN whose kernels run on this CPU."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16_runs()
@@ -304,35 +309,36 @@ class LeanDecoder:
                     k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                 )
             )
-        self.few_rows_transposed = False  # both set by the machine's tuning (dspark.autotune), which measures them
-        self.packed = False
         # bfloat16 on a CPU runs batch-invariant: a row's logits do not depend on how many rows or tokens share
         # the forward, so speculative output equals plain output token for token (float32 has no such kernels here;
         # its differences are a few ulps, and argmax flips from them are rare but possible).
         self.batch_invariant = self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
-        if self.batch_invariant:
-            self.pack(False)
+        self.few_rows_transposed = False  # both set by the machine's tuning (dspark.autotune), which measures them
+        self.packed: bool | None = None  # no product form chosen yet
+        self.pack(False)
 
     def quantize_int8(self) -> None:
         """Weight-only int8 for every matrix of every layer (the embedding lookup stays as it is). The HF model keeps
         its float weights: it stays the reference."""
         for p in self.layers:
             for name in ("qkv_w", "o_w", "gate_up", "down"):
-                p[name] = Int8Weight(p[name].dense if isinstance(p[name], (PackedWeight, KSplitWeight)) else p[name])
+                p[name] = Int8Weight(dense(p[name]))
 
     def pack(self, packed: bool) -> None:
         """Every layer's matrices as PackedWeight (or back to the plain tensors); in batch-invariant mode, matrices
-        longer than MAX_INVARIANT_K as KSplitWeight."""
+        longer than MAX_INVARIANT_K as KSplitWeight. Choosing the form the matrices already have costs nothing."""
+        if packed == self.packed:
+            return
         self.packed = packed
         for p in self.layers:
             for name in ("qkv_w", "o_w", "gate_up", "down"):
                 p[name] = self.product_form(p[name], packed)
 
     def product_form(self, weight, packed: bool):
-        dense = weight.dense if isinstance(weight, (PackedWeight, KSplitWeight)) else weight
-        if self.batch_invariant and dense.shape[1] > MAX_INVARIANT_K:
-            return KSplitWeight(dense, packed)
-        return PackedWeight(dense) if packed else dense
+        matrix = dense(weight)
+        if self.batch_invariant and matrix.shape[1] > MAX_INVARIANT_K:
+            return KSplitWeight(matrix, packed)
+        return PackedWeight(matrix) if packed else matrix
 
     def new_cache(self, batch_size: int, capacity: int = 0) -> KVCache:
         return KVCache(
@@ -352,10 +358,11 @@ class LeanDecoder:
         # slot 0 (a prefill, a training sequence) are plain causal attention: no mask either, which lets SDPA take its
         # fused kernels (on CUDA, flash) instead of reading a [W, W] mask.
         causal = slots.start == 0 and width > 1 and not self.softcap
-        full = None if (width == 1 and slots.start is not None) or causal else causal_visibility(positions, upto)
-        # Batch-invariant attention reads each row's cache up to its own bucket (not past `upto` rounded up).
+        # Batch-invariant attention plans its own key lengths and masks, per query (plan_buckets).
         bucketed = self.batch_invariant and not self.softcap and "sliding_attention" not in self.layer_types
         groups = plan_buckets(positions) if bucketed else None
+        one_step = width == 1 and slots.start is not None
+        full = None if bucketed or one_step or causal else causal_visibility(positions, upto)
         masks = {"full_attention": full}
         if "sliding_attention" in self.layer_types:
             # A sliding layer sees the last `window` positions (itself included) of its own row.

@@ -46,13 +46,12 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 def streamed_bytes(target) -> int:
     """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
     (int8 matrices at one byte per weight plus their scales); the embedding lookup reads one row."""
-    from dspark.decoder import Int8Weight, KSplitWeight, PackedWeight
+    from dspark.decoder import Int8Weight, dense
 
     def size(w) -> int:
         if w is None:
             return 0
-        if isinstance(w, (PackedWeight, KSplitWeight)):
-            w = w.dense  # the same values in another layout
+        w = dense(w)  # a packed or split matrix holds the same values in another layout
         if isinstance(w, Int8Weight):
             return w.q.numel() + w.scale.numel() * w.scale.element_size()
         return w.numel() * w.element_size()

@@ -79,7 +79,7 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
     results, cfg, machine = run["results"], run["config"], run["machine"]
     datasets = cfg["datasets"]
     drafter_labels = list(dict.fromkeys([*run["drafters"], *(r["method"] for r in results if "tau" in r)]))
-    out = [f"## {name}", "", f"Run {run['when']}. Reproduce with:", "", "```bash", command, "```", ""]
+    out = section_header(f"## {name}", command, run["when"])
     out.append(
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
         f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
@@ -201,6 +201,12 @@ def publish_run(run: dict, out: Path, name: str, plot, section, markdown: Path |
         write_section(markdown, name, section(run, run["command"], relative(markdown.parent)))
         written.append(markdown)
     return written
+
+
+def section_header(title: str, command: str, when: str | None = None) -> list[str]:
+    """The lines every section opens with: its title, when it ran, and the command that reproduces it."""
+    run = f"Run {when}. " if when else ""
+    return [title, "", f"{run}Reproduce with:", "", "```bash", command, "```", ""]
 
 
 def write_section(markdown_path: Path, name: str, body: str) -> None:
@@ -359,14 +365,7 @@ def curves_table(
     fmt = lambda x: "–" if x is None else f"{x:.3f}"
     ratio = lambda a, b: "–" if a is None or b is None else f"{a / b:.3f}"
     out = [
-        f"## {title}",
-        "",
-        "Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header(f"## {title}", command),
         "Held-out τ (greedy, teacher-forced over γ, bonus included) on the same held-out slice of the training data",
         "(along the rounds: at the anchors greedy decoding of those prompts visits, where the run logged it),",
         f"read at {tokens:,.0f} training tokens and at {seconds / 60:.1f} minutes of training (linear between "
@@ -394,14 +393,7 @@ def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> 
     """The `engine` section of BENCHMARKS.md: forward cost per engine against the bandwidth bound, then decoding speed."""
     m = run["machine"]
     out = [
-        f"## {name}",
-        "",
-        f"Run {run['when']}. Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header(f"## {name}", command, run["when"]),
         f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, flags "
         f"{', '.join(m['cpu_flags']) or 'n/a'}; torch {m['torch']}. Matrix-vector bandwidth measured here: "
         f"{run['bandwidth_gbs']} GB/s; the bound is the weight bytes one step reads divided by it.",
@@ -485,14 +477,7 @@ def serve_section(run: dict, command: str, plot: str) -> str:
     """The `serve` section: latency and throughput per policy and concurrency, the Pareto plot, the goals."""
     m, rows = run["machine"], run["rows"]
     out = [
-        "## serve",
-        "",
-        f"Run {run['when']}. Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header("## serve", command, run["when"]),
         f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}; target "
         f"{run['model']} in {run['dtype']}, drafter {run['drafter']}. Each level: `concurrency` openai clients on "
         f"loopback, each streaming greedy requests back to back (at least {run['requests_per_level']} per level, "
@@ -576,14 +561,7 @@ def llama_cpp_section(run: dict, command: str, plot: str) -> str:
     llama = [r for r in runtimes if r.startswith("llama.cpp")]
     weights = ", ".join(f"{w}: `{f}`" for w, f in run["target_ggufs"].items())
     out = [
-        "## llama-cpp",
-        "",
-        f"Run {run['when']}. Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header("## llama-cpp", command, run["when"]),
         f"Machine: {m['cpu']}, {m['cores']} cores, {run['threads']} threads for llama.cpp, torch threads "
         f"{m['torch_threads']}. llama.cpp {run['llama_cpp_version']} (`{run['llama_bin']}`) on the target's "
         f"GGUF ({weights}; the float32 copy is the shipped file dequantized, the weights our float32 target uses), "

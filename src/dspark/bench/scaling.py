@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from dspark.bench.report import save_figure
+from dspark.bench.report import save_figure, section_header
 from dspark.errors import DSparkError
 
 
@@ -110,14 +110,7 @@ def scaling_section(run: dict, command: str, plot: str, name: str) -> str:
     )
     rate, hour = pts[-1]["tokens_per_hour"], pts[-1]["hour"]
     out = [
-        f"## {name}: real τ against cumulative training compute",
-        "",
-        f"Run {run['when']}. Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header(f"## {name}: real τ against cumulative training compute", command, run["when"]),
         f"Points, oldest first: {legs}. Fit: τ − 1 = a · tokens^b per set, least squares in log-log; the last "
         "columns extrapolate it to each set's goal"
         + (f", at the last leg's {rate / 1e6:.2f}M training tokens per {hour}" if rate else "")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dspark.bench.report import save_figure
+from dspark.bench.report import save_figure, section_header
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import FixedLength
 from dspark.decoding.stats import SpecStats
@@ -170,14 +170,7 @@ def signal_section(run: dict, command: str, plot: str, name: str = "signal") -> 
         "| real τ | real accept pos 1 | target p (share < 0.5) |"
     )
     out = [
-        f"## {name}: training signal by position",
-        "",
-        f"Run {run['when']}. Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header(f"## {name}: training signal by position", command, run["when"]),
         machine,
         "",
         legend,

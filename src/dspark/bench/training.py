@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dspark.bench.report import section_header
 from dspark.training.batches import block_loss, load_examples, plan_blocks
 from dspark.training.config import TrainConfig
 from dspark.training.features import CachedFeatures, OnlineFeatures, build_feature_cache
@@ -100,14 +101,7 @@ def time_levers(
 
 def levers_markdown(rows: list[dict], command: str) -> str:
     out = [
-        "## Training cost by lever",
-        "",
-        "Reproduce with:",
-        "",
-        "```bash",
-        command,
-        "```",
-        "",
+        *section_header("## Training cost by lever", command),
         f"Target in {rows[0]['target_dtype']}, drafter autocast to bfloat16 {'on' if rows[0]['bf16_autocast'] else 'off'}"
         " (chosen for this CPU, as `dspark train` does).",
         "",

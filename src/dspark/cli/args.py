@@ -150,17 +150,18 @@ def load_target(args, layer_ids=None):
 
     setup_torch(args)
     quantize = getattr(args, "quantize", None)
-    loaded = {}
+    loaded = {}  # a precision timed for `auto` is the target returned: loaded and tuned once
 
     def load(dtype):
-        loaded[dtype] = Target.load(args.model, dtype=dtype, layer_ids=layer_ids, quantize=quantize)
+        if dtype not in loaded:
+            loaded[dtype] = tune(Target.load(args.model, dtype=dtype, layer_ids=layer_ids, quantize=quantize))
         return loaded[dtype]
 
     if args.dtype == "auto":
-        choice = choose_precision(args.model + ("-int8" if quantize == "int8" else ""), lambda d: tune(load(d)))
+        choice = choose_precision(args.model + ("-int8" if quantize == "int8" else ""), load)
         args.dtype = choice.dtype
         print(f"dspark: precision {choice.dtype}: {choice.reason} (--dtype overrides)", file=sys.stderr)
-    return tune(loaded.get(args.dtype) or load(args.dtype))
+    return load(args.dtype)
 
 
 def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, ...] = (1,)):
@@ -297,10 +298,6 @@ def command_line() -> str:
 
     env = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} " if "OMP_NUM_THREADS" in os.environ else ""
     return env + "dspark " + shlex.join(sys.argv[1:])
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def why_outputs_differ(dtype: str, sampling=None) -> str:

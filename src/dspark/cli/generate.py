@@ -11,7 +11,6 @@ from dspark.cli.args import (
     add_target_args,
     build_policy,
     check_policy_args,
-    common_prefix,
     load_target,
     positive_int,
     sampling_from,
@@ -36,6 +35,7 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
+    from dspark.bench.run import common_prefix
     from dspark.decoding.plain import generate_plain
     from dspark.target import check_text
 

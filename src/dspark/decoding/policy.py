@@ -37,16 +37,23 @@ def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> 
     return torch.sigmoid(logits)
 
 
-class UncalibratedSurvival:
-    """survival() for policies that take the confidence head's logits as they are."""
+def prefix_survival(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:
+    """a_k = Π_{i≤k} c_i [B, γ]: the estimate that drafts 1..k all survive verification."""
+    return confidences(logits, policy, temperatures).float().cumprod(dim=1)
+
+
+class SurvivalEstimate:
+    """VerifyPolicy.survival from the confidence head, scaled by the policy's STS temperatures where it has them."""
+
+    temperatures: list[float] | None = None
 
     def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
         if confidence_logits is None:
             return None
-        return torch.sigmoid(confidence_logits.float()).cumprod(dim=1)
+        return prefix_survival(confidence_logits, "survival", self.temperatures)
 
 
-class FixedLength(UncalibratedSurvival):
+class FixedLength(SurvivalEstimate):
     """Verify a fixed number of draft tokens (γ by default): plain chain drafting."""
 
     def __init__(self, length: int | None = None):
@@ -62,7 +69,7 @@ class FixedLength(UncalibratedSurvival):
         return f"fixed({'γ' if self.length is None else self.length})"
 
 
-class ConfidenceThreshold(UncalibratedSurvival):
+class ConfidenceThreshold(SurvivalEstimate):
     """Static threshold (paper Fig. 5): stop before the first position whose confidence c_k is below `threshold`."""
 
     def __init__(self, threshold: float):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from dspark.decoding.policy import confidences
+from dspark.decoding.policy import SurvivalEstimate, prefix_survival
 from dspark.scheduling.calibration import drafter_temperatures, read_temperatures
 from dspark.scheduling.profile import CostTable
 
 
-class PrefixScheduler:
+class PrefixScheduler(SurvivalEstimate):
     """Confidence-scheduled verification, Algorithm 1 of the paper (docs/design.md §5).
 
     Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
@@ -23,13 +23,8 @@ class PrefixScheduler:
         self.cost = cost
         self.temperatures = temperatures
 
-    def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
-        if confidence_logits is None:
-            return None
-        return confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
-
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
+        survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
         # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
         order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
         values = survival.flatten().tolist()
@@ -80,7 +75,7 @@ class ProductionScheduler(PrefixScheduler):
         return best_k
 
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        survival = confidences(confidence_logits, "scheduler", self.temperatures).float().cumprod(dim=1)
+        survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
         self.budgets.append(self.budget(survival))
         # Until two steps have been seen, verify one draft per request.
         budget = self.budgets.pop(0) if len(self.budgets) > self.delay else batch

@@ -3,6 +3,7 @@ report (NAME.md) into --out; it writes a section of a markdown file (BENCHMARKS.
 
 from __future__ import annotations
 
+import sys
 from importlib import import_module
 from pathlib import Path
 
@@ -57,4 +58,4 @@ def publish(run: dict, out: Path, name: str, plot, section, markdown: str | None
 
     run["command"] = command_line()
     written = publish_run(run, out, name, plot, section, Path(markdown) if markdown else None)
-    print(f"dspark: wrote {', '.join(str(p) for p in written)}", file=__import__("sys").stderr)
+    print(f"dspark: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
