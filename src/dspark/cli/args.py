@@ -38,6 +38,16 @@ def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None
     p.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0 = torch's default)")
 
 
+def add_drafter_output_args(p: argparse.ArgumentParser) -> None:
+    """What export and import share: --overwrite for their output folder, and the target the drafter is for."""
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an earlier output of this command (never a folder holding other files)",
+    )
+    add_target_args(p, auto_dtype=False)
+
+
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=nonnegative_int, default=0, help="0 = off")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dspark.cli.args import add_target_args, gguf_arg, load_target
+from dspark.cli.args import add_drafter_output_args, gguf_arg, load_target
 from dspark.formats import EXPORT_FORMATS
 
 
@@ -28,12 +28,7 @@ def register(sub) -> None:
         help="--format gguf: the target's GGUF, whose vocabulary the draft copies "
         "(default: the file a known target's package carries)",
     )
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier output of this command (never a folder holding other files)",
-    )
-    add_target_args(p, auto_dtype=False)
+    add_drafter_output_args(p)
     p.set_defaults(func=run)
 
 

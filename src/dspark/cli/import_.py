@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from dspark.cli.args import add_target_args, load_target
+from dspark.cli.args import add_drafter_output_args, load_target
 from dspark.errors import DSparkError
 
 
@@ -13,12 +13,7 @@ def register(sub) -> None:
     p = sub.add_parser("import", help="convert a speculators or DeepSpec DSpark drafter into a dspark checkpoint")
     p.add_argument("source", help="the drafter folder (config.json + safetensors)")
     p.add_argument("out", help="a new folder for the dspark checkpoint")
-    p.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="replace an earlier output of this command (never a folder holding other files)",
-    )
-    add_target_args(p, auto_dtype=False)
+    add_drafter_output_args(p)
     p.set_defaults(func=run)
 
 
