@@ -55,23 +55,34 @@ def test_algorithm_1_by_hand():
         PrefixScheduler(flat).lengths(None, 3, 1)
 
 
-def test_the_scheduler_plans_with_the_cost_of_the_batch_shape():
-    """A ragged verify pads every row to the longest: with a grid of batch shapes, a second request's deep drafts
-    cost the whole batch a wider forward, which the total-token curve does not see."""
+def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
+    """With a grid of batch shapes a round costs what its rows carry (a ragged verify: the mean tokens per row),
+    plus the drafter's share, which it pays whatever it verifies."""
     grid = [
-        {"batch_size": rows, "tokens_per_row": width, "ms": 10.0 + 0.2 * rows * (width - 1) + (8.0 if width > 2 else 0)}
+        {"batch_size": rows, "tokens_per_row": width, "ms": 10.0 + 1.0 * rows * (width - 1)}
         for rows in (1, 4)
         for width in (1, 2, 3, 4)
     ]
     shaped = CostTable([1, 16], [10.0, 10.5], {"grid": grid})
     assert shaped.has_shapes and not CostTable([1, 16], [10.0, 10.5]).has_shapes
-    assert shaped.shape_time(1, 2) == pytest.approx(10.2) and shaped.shape_time(4, 3) == pytest.approx(19.6)
-    assert shaped.shape_time(2, 2) == pytest.approx(10.0 + 0.2 * 2)  # between profiled batch sizes: linear in rows
-    assert shaped.shape_time(8, 2) == pytest.approx(2 * (10.0 + 0.2 * 4))  # beyond: proportional
-    conf = torch.tensor([[logit(0.95), logit(0.9), logit(0.9)]] * 4)
-    # by total tokens verifying is nearly free, so every draft is admitted; by shape, a third column costs 8 ms
-    assert PrefixScheduler(CostTable([1, 16], [10.0, 10.5])).lengths(conf, 3, 4).tolist() == [3, 3, 3, 3]
-    assert PrefixScheduler(shaped).lengths(conf, 3, 4).tolist() == [1, 1, 1, 1]
+    assert shaped.shape_time(1, 2) == pytest.approx(11.0) and shaped.shape_time(4, 2.5) == pytest.approx(16.0)
+    assert shaped.shape_time(2, 2) == pytest.approx(10.0 + 1.0 * 2)  # between profiled batch sizes: linear in rows
+    assert shaped.shape_time(8, 2) == pytest.approx(2 * (10.0 + 1.0 * 4))  # beyond: proportional
+    assert shaped.draft_time(4) == 0 and shaped.round_time(4, 2) == pytest.approx(14.0)
+    drafting = CostTable(
+        [1, 16], [10.0, 10.5], {"grid": grid, "draft": [{"batch_size": 1, "ms": 4.0}, {"batch_size": 4, "ms": 10.0}]}
+    )
+    assert drafting.draft_time(2) == pytest.approx(6.0) and drafting.round_time(4, 2) == pytest.approx(24.0)
+    # per request: the confident rows verify deep, the doubtful ones nothing (a ragged verify costs its tokens)
+    conf = torch.tensor([[logit(0.95), logit(0.9), logit(0.9)]] * 2 + [[logit(0.05), logit(0.05), logit(0.05)]] * 2)
+    assert PrefixScheduler(shaped).lengths(conf, 3, 4).tolist() == [3, 3, 0, 0]
+    # a draft whose survival is 0.3 does not pay for a 4 ms verify of a 10 ms step ...
+    one = torch.tensor([[logit(0.3)]])
+    single = [{"batch_size": b, "tokens_per_row": w, "ms": b * (6.0 + 4.0 * w)} for b in (1, 2) for w in (1, 2)]
+    assert PrefixScheduler(CostTable([1], [10.0], {"grid": single})).lengths(one, 1, 1).tolist() == [0]
+    # ... but it does once the round also pays 20 ms of drafting, spent whether or not it verifies
+    paid = {"grid": single, "draft": [{"batch_size": 1, "ms": 20.0}]}
+    assert PrefixScheduler(CostTable([1], [10.0], paid)).lengths(one, 1, 1).tolist() == [1]
 
 
 def appendix_a_first_token(scheduler_lengths, n=20000, seed=0):

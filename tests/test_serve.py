@@ -169,8 +169,10 @@ def test_a_client_that_leaves_frees_its_row(tiny):
 
 
 def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
+    import socket
+
     target, drafter = tiny
-    config = ServeConfig("tiny", api_key="sekret", max_body_bytes=4096, max_tokens_limit=64)
+    config = ServeConfig("tiny", api_key="sekret", max_body_bytes=4096, max_tokens_limit=64, body_timeout_seconds=10)
     app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, config)
     good = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 4}
     auth = {"Authorization": "Bearer sekret"}
@@ -202,6 +204,16 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tiny):
             server.client("wrong").chat.completions.create(**good)
         ok = server.client("sekret").chat.completions.create(**good)
         assert ok.choices[0].message.content is not None
+        # a client without the key is refused before its body is read: headers alone, no body, answered at once
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 4000\r\n\r\n"
+            )
+            started, reply = time.monotonic(), b""
+            while b"invalid_api_key" not in reply and (chunk := sock.recv(4096)):
+                reply += chunk
+            assert reply.startswith(b"HTTP/1.1 401") and time.monotonic() - started < 2
     long_prompt = dict(good, messages=[{"role": "user", "content": words(1100)}])
     big = ServeConfig("tiny", max_body_bytes=1 << 20)
     with LiveServer(create_app(SpeculativeEngine(target, drafter), target.tokenizer, big)) as server:
@@ -291,30 +303,52 @@ def test_shutdown_lets_in_flight_requests_finish(tiny):
 
 
 def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
-    """`bench-serve` mechanics on the tiny target: every policy at every level, the table, the plot."""
+    """`bench serve` mechanics on the tiny target: every policy at every level and repetition, the server's round
+    metrics per level, intervals, matched throughput, the goals, both plots; a second run resumes from its log."""
     from dspark.bench import serve as bench_serve
-    from dspark.bench.report import serve_plot, serve_section
     from dspark.bench.run import machine_info
+    from dspark.bench.serve_report import serve_plots, serve_section
     from dspark.scheduling.profile import CostTable
 
     target, drafter = tiny
-    monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t, **_: CostTable([1, 8], [10.0, 12.0]))
+    grid = [{"batch_size": b, "tokens_per_row": w, "ms": 10.0 + b * w} for b in (1, 2) for w in (1, 4, 8)]
+    table = CostTable([1, 8], [10.0, 12.0], {"grid": grid, "draft": [{"batch_size": 1, "ms": 2.0}]})
+    monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t, **_: table)
     drafter.save(tmp_path / "drafter", target.identity())
-    rows = bench_serve.run_serve_bench(
-        target, drafter, tmp_path / "drafter", [words(3), words(5, start=9)], [1, 2], 6, 2, progress=lambda _: None
-    )
-    assert {r["policy"] for r in rows} == {
-        "plain",
-        "fixed 1",
-        "fixed 3",
-        "fixed 7",
-        "threshold 0.5",
-        "algorithm1",
-        "production",
-    }
+    out = tmp_path / "out"
+    out.mkdir()
+
+    def bench(repetitions, progress):
+        return bench_serve.run_serve_bench(
+            target,
+            drafter,
+            tmp_path / "drafter",
+            [words(3), words(5, start=9)],
+            [1, 2],
+            6,
+            2,
+            10**6,
+            repetitions,
+            out,
+            fixed_lengths=(1, 3),
+            progress=progress,
+        )
+
+    rows = bench(1, lambda _: None)
+    assert {r["policy"] for r in rows} == {"plain", "fixed 1", "fixed 3", "threshold 0.5", "algorithm1", "production"}
     assert all(r["tokens"] > 0 and r["aggregate_tps"] > 0 and r["requests"] == 2 for r in rows)
+    spec = [r for r in rows if r["policy"] != "plain"]
+    assert all(r["rounds"] > 0 and r["tau"] >= 1 and 0 <= r["ece"] <= 1 for r in spec)
+    assert all(r["predicted_over_realised"] > 0 for r in spec)
+    seen = []
+    rows = bench(2, seen.append)  # the first repetition is read back from levels.jsonl, not measured again
+    assert len(rows) == 24 and len(seen) == 12 and all('"repetition": 1' in line for line in seen)
+    summary = bench_serve.summarise(rows)
+    assert all(r["repetitions"] == 2 and r["aggregate_tps_ci"] is not None for r in summary)
     run = {
         "rows": rows,
+        "summary": summary,
+        "cost_table": {"grid": grid, "draft": table.meta["draft"]},
         "machine": machine_info(),
         "when": "now",
         "model": "tiny",
@@ -322,11 +356,30 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
         "drafter": "tiny",
         "datasets": ["x"],
         "max_tokens": 6,
-        "requests_per_level": 2,
+        "min_requests": 2,
+        "min_tokens": 10**6,
+        "repetitions": 2,
     }
-    text = serve_section(run, "dspark bench-serve", "serve.png")
-    assert "| algorithm1 | 2 |" in text and "best baseline" in text
-    assert serve_plot(rows, tmp_path / "serve.png").stat().st_size > 1000
+    text = serve_section(run, "dspark bench serve", {"pareto": "p.png", "cost": "c.png"})
+    assert "| algorithm1 | 2 |" in text and "best fixed policy" in text and "matched throughput" in text
+    plots = serve_plots(run, tmp_path / "plots")
+    assert all(p.stat().st_size > 1000 for p in plots.values())
+
+
+def test_matched_throughput_interpolates_along_the_baseline():
+    from dspark.bench.serve import matched_throughput, mean_interval
+
+    summary = [
+        {"policy": "plain", "concurrency": 1, "aggregate_tps": 30.0, "per_user_tps": 30.0},
+        {"policy": "plain", "concurrency": 2, "aggregate_tps": 50.0, "per_user_tps": 25.0},
+        {"policy": "fast", "concurrency": 1, "aggregate_tps": 40.0, "per_user_tps": 40.0},  # plain at 40: 27.5
+        {"policy": "fast", "concurrency": 2, "aggregate_tps": 20.0, "per_user_tps": 20.0},  # below: plain's 1 stream
+        {"policy": "fast", "concurrency": 4, "aggregate_tps": 90.0, "per_user_tps": 22.0},  # plain never gets there
+    ]
+    assert matched_throughput(summary, "fast", "plain") == {1: pytest.approx(40 / 27.5, abs=1e-3), 2: 0.667, 4: None}
+    assert mean_interval([10.0]) == (10.0, None)
+    mean, half = mean_interval([9.0, 10.0, 11.0])
+    assert mean == 10.0 and half == pytest.approx(4.303 / 3**0.5)
 
 
 def test_stop_strings_cut_the_text_and_streamed_usage_is_exact(tiny):

@@ -93,6 +93,28 @@ def test_ragged_batch_matches_each_row_alone(target):
         torch.testing.assert_close(got[i], alone, rtol=1e-5, atol=1e-5)
 
 
+def test_a_ragged_forward_multiplies_only_its_real_tokens(target, monkeypatch):
+    """Rows of 3, 1 and 2 real tokens in a forward 3 wide: every matrix product sees the 6 real tokens, not 9
+    (a scheduled verify costs what it verifies), and the real positions are what an unpacked forward gives."""
+    import dspark.decoder as decoder
+
+    cache = target.new_cache(3)
+    target.forward(cache, torch.randint(0, 90, (3, 5)))
+    ids, num_new = torch.randint(0, 90, (3, 3)), torch.tensor([3, 1, 2])
+    seen, linear = [], decoder.linear
+    monkeypatch.setattr(
+        decoder, "linear", lambda x, *a, **k: seen.append(x.numel() // x.shape[-1]) or linear(x, *a, **k)
+    )
+    packed = target.forward(cache, ids, num_new, features=True)
+    assert seen and set(seen) == {6}
+    cache.rollback(cache.lengths - num_new)
+    monkeypatch.setattr(decoder, "linear", linear)
+    full = target.forward(cache, ids, torch.tensor([3, 3, 3]), features=True)
+    for row, n in enumerate(num_new.tolist()):
+        torch.testing.assert_close(packed.logits[row, :n], full.logits[row, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(packed.features[row, :n], full.features[row, :n], rtol=1e-5, atol=1e-5)
+
+
 def test_cache_grows_selects_and_merges(target):
     """Rows leave (select) and join (merge) between steps, across a growth of the buffer, without changing results."""
     seqs = [torch.randint(0, 90, (n,)) for n in (70, 5, 30)]

@@ -21,7 +21,7 @@ import torch
 
 from dspark.decoder import packing_available
 from dspark.fsutil import atomic_write_json
-from dspark.models import machine_cache_file
+from dspark.models import machine_cache_file, machine_cache_files
 from dspark.scheduling.profile import CostTable, profile_target
 from dspark.target import Target
 
@@ -150,20 +150,37 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
 
 
 def cached_cost_table(
-    target, token_counts=(1, 2, 3, 4, 5, 6, 7, 8), repeats: int = 5, batch_sizes: tuple[int, ...] = (1,)
+    target,
+    token_counts=(1, 2, 3, 4, 5, 6, 7, 8),
+    repeats: int = 5,
+    batch_sizes: tuple[int, ...] = (1,),
+    drafter=None,
 ) -> CostTable:
     """This machine's cost table for this target, precision and thread count, at these batch sizes (several: a grid
-    of batch shapes, which the schedulers then plan with): profiled once (seconds; a minute for a server's grid),
-    then read from the dspark cache."""
-    # The product forms and the batch sizes are part of the key: a table measured otherwise would not fit.
+    of batch shapes, which the schedulers then plan with), with the drafting time of `drafter`'s architecture where
+    given: profiled once (seconds; a minute for a server's grid), then read from the dspark cache."""
+    # The product forms, the batch sizes and the drafter's shape are part of the key: a table measured otherwise
+    # would not fit.
     form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
     rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
-    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form, *rows)
+    drafting = [] if drafter is None else ["draft" + drafter_shape_key(drafter)]
+    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form, *rows, *drafting)
     if path.exists():
         return CostTable.load(path)
-    table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes)
+    table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes, drafter=drafter)
     table.save(path)
     return table
+
+
+def drafter_shape_key(drafter) -> str:
+    """A short key for what a drafter's time depends on: its configuration, not its weights."""
+    import hashlib
+    import json
+    from dataclasses import asdict, is_dataclass
+
+    config = getattr(drafter, "config", None)
+    spec = asdict(config) if is_dataclass(config) else {"kind": type(drafter).__name__, "gamma": drafter.block_size}
+    return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
 def tune(target: Target) -> Target:
@@ -175,8 +192,7 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
     """Every decision for `model` on this machine, measured now where missing (all of them with `force`)."""
     if force:
         for kind in ("precision", "kernels", "costs"):
-            folder, key = machine_cache_file(kind, model).parent, model.replace("/", "_").strip("_.")
-            for path in folder.glob(f"{key}-*"):
+            for path in machine_cache_files(kind, model):
                 path.unlink()
     loaded = {}
 

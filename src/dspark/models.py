@@ -59,8 +59,16 @@ def machine_cache_file(kind: str, *key: str) -> Path:
 
     import torch
 
-    name = "-".join(str(k).replace("/", "_").strip("_.") for k in key)
-    return cache_dir() / kind / f"{name}-t{torch.get_num_threads()}-{platform.node()}.json"
+    return cache_dir() / kind / f"{cache_key(*key)}-t{torch.get_num_threads()}-{platform.node()}.json"
+
+
+def cache_key(*key: str) -> str:
+    return "-".join(str(k).replace("/", "_").strip("_.") for k in key)
+
+
+def machine_cache_files(kind: str, model: str) -> list[Path]:
+    """Every measurement of `kind` kept for `model` (any precision, thread count or host)."""
+    return sorted((cache_dir() / kind).glob(f"{cache_key(model)}-*"))
 
 
 def provisioned_path(name: str) -> Path:

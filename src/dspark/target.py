@@ -307,11 +307,19 @@ class Target:
             num_new = torch.full((batch,), width, dtype=torch.long, device=input_ids.device)
         layer_ids = self.layer_ids if features is True else (features or [])
         hidden, captured = self.decoder.forward(cache, input_ids, num_new, layer_ids)
-        scored = hidden
+        scores = None
         if logits == "last":
-            scored = hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None]
+            scores = self.logits_from_hidden(hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None])
+        elif logits and width > 1 and bool((num_new < width).any()):
+            # The LM head, the largest matrix, runs over the real positions of a ragged forward only.
+            real = torch.arange(width, device=hidden.device)[None, :] < num_new[:, None]
+            packed = self.logits_from_hidden(hidden[real])
+            scores = packed.new_zeros(batch, width, packed.shape[-1])
+            scores[real] = packed
+        elif logits:
+            scores = self.logits_from_hidden(hidden)
         return TargetOutput(
-            logits=self.logits_from_hidden(scored) if logits else None,
+            logits=scores,
             features=torch.cat(captured, dim=-1) if captured else None,
             last_hidden=hidden if last_hidden else None,
         )

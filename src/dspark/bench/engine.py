@@ -182,7 +182,7 @@ def run_engine_bench(
         drafter = load_drafter(drafter_path, target)
         engines = {
             "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-            "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path)),
+            "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
         }
         warm = target.encode_chat("Hi!")
         for e in engines.values():

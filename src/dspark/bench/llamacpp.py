@@ -153,7 +153,7 @@ def run_llama_cpp_bench(
     gamma = drafter.block_size
     engines = {
         "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path)),
+        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
     }
     warm = target.encode_chat("Hi!")
     for engine in engines.values():

@@ -179,7 +179,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
             for label, d in drafters.items():
                 if d.confidence_head is not None:
                     engines[f"{label}+sched"] = SpeculativeEngine(
-                        target, d, build_scheduler(target, cfg.drafters[label])
+                        target, d, build_scheduler(target, cfg.drafters[label], drafter=d)
                     )
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)

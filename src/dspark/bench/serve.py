@@ -1,32 +1,51 @@
 """`dspark bench serve`: the server under load on loopback, for each verification policy and concurrency.
 
-For every policy a real server is started on a free loopback port and driven by the official openai client from
-`concurrency` threads, each streaming its requests one after another (a bounded number, so the run ends by
-itself). Measured per request: time to first token and latency; per run: per-user tokens/s (each request's tokens
-over its latency, averaged) and aggregate tokens/s (all tokens over the run's wall time). The Pareto plot puts
-per-user speed against throughput, one curve per policy through the concurrency levels.
+For every policy and repetition a real server is started on a free loopback port and driven by the official openai
+client from `concurrency` threads, each streaming greedy requests back to back until the level has seen its share
+(at least `min_requests` requests or `min_tokens` generated tokens). Measured per level: per-user tokens/s (each
+request's tokens over its latency, averaged), aggregate tokens/s (all tokens over the level's wall time), time to
+first token and latency, and from the server's /metrics: τ, the tokens the policy predicted against those its rounds
+yielded, and the ECE of its survival estimates. Repetitions give 95 % intervals; per-user speed at matched
+throughput is read off a baseline's curve by interpolation.
+
+Every finished level is appended to `levels.jsonl` in the output folder: a killed run started again with the same
+settings skips the levels it already has.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import multiprocessing
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from pathlib import Path
 
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import ConfidenceThreshold, FixedLength, VerifyPolicy
+from dspark.scheduling.calibration import ece_from_bins
 from dspark.serve.app import ServeConfig, create_app
 from dspark.serve.local import LocalServer
 
+SCHEDULED = ("algorithm1", "production")
 
-def policies(target, drafter_path, fixed_lengths=(1, 3, 7), threshold: float = 0.5, batch_sizes=(1,)) -> dict:
+# Two-sided 95 % Student t quantiles by degrees of freedom (repetitions - 1).
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def policies(
+    target, drafter, drafter_path, fixed_lengths=(1, 2, 3, 4, 5, 6, 7), threshold=0.5, batch_sizes=(1,)
+) -> dict[str, tuple[bool, VerifyPolicy | None]]:
     """label -> (uses the drafter, policy or None); the schedulers plan with the cost of these batch sizes."""
     from dspark.scheduling.planner import build_scheduler
 
     out: dict[str, tuple[bool, VerifyPolicy | None]] = {"plain": (False, None)}
     out.update({f"fixed {n}": (True, FixedLength(n)) for n in fixed_lengths})
     out[f"threshold {threshold}"] = (True, ConfidenceThreshold(threshold))
-    for kind in ("algorithm1", "production"):
-        out[kind] = (True, build_scheduler(target, drafter_path, kind=kind, batch_sizes=batch_sizes))
+    for kind in SCHEDULED:
+        out[kind] = (True, build_scheduler(target, drafter_path, kind=kind, batch_sizes=batch_sizes, drafter=drafter))
     return out
 
 
@@ -35,11 +54,53 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream: int, max_tokens: int) -> dict:
-    """`concurrency` clients, each streaming `per_stream` greedy requests back to back."""
+def scrape(url: str) -> dict[tuple, float]:
+    """The server's /metrics as {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def round_metrics(before: dict, after: dict) -> dict:
+    """What the server's counters say of the rounds between two scrapes: τ, predicted against realised tokens per
+    round, and the ECE of the survival estimates of every verified draft."""
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    rounds = delta("dspark_rounds_total")
+    out: dict = {"rounds": int(rounds)}
+    if rounds:
+        out["tau"] = round((rounds + delta("dspark_accepted_draft_tokens_total")) / rounds, 3)
+        out["verified_per_round"] = round(delta("dspark_verified_draft_tokens_total") / rounds, 3)
+    realised = delta("dspark_round_tokens_total")
+    if realised:
+        out["predicted_over_realised"] = round(delta("dspark_predicted_round_tokens_total") / realised, 3)
+    keys = {dict(labels)["bin"] for name, labels in after if name == "dspark_calibration_drafts_total"}
+    bins = [
+        [sum(delta(f"dspark_calibration_{kind}_total", k=k, bin=b) for k in map(str, range(1, 33))) for b in keys]
+        for kind in ("drafts", "predicted", "survived")
+    ]
+    if sum(bins[0]):
+        out["ece"] = round(ece_from_bins(*bins), 4)
+    return out
+
+
+def drive(url: str, model: str, prompts: list[str], concurrency: int, min_requests: int, min_tokens: int, max_tokens):
+    """`concurrency` clients streaming greedy requests back to back until the level has at least `min_requests`
+    requests or `min_tokens` tokens (every client sends one at least). Returns the per-request records and the
+    level's wall time."""
     import openai
 
-    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=1200)
+    lock, state = threading.Lock(), {"started": 0, "tokens": 0}
 
     def one(i: int) -> dict:
         start, first, tokens = time.perf_counter(), None, 0
@@ -49,6 +110,7 @@ def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream
             max_tokens=max_tokens,
             temperature=0,
             stream=True,
+            stream_options={"include_usage": True},
         )
         for chunk in stream:
             if first is None and chunk.choices and chunk.choices[0].delta.content:
@@ -59,21 +121,33 @@ def drive(url: str, model: str, prompts: list[str], concurrency: int, per_stream
         return {"ttft": (first or end) - start, "latency": end - start, "tokens": tokens}
 
     def client_loop(c: int) -> list[dict]:
-        return [one(c * per_stream + k) for k in range(per_stream)]
+        done = []
+        while True:
+            with lock:
+                enough = state["started"] >= min_requests or state["tokens"] >= min_tokens
+                if done and enough:
+                    return done
+                i, state["started"] = state["started"], state["started"] + 1
+            done.append(one(i))
+            with lock:
+                state["tokens"] += done[-1]["tokens"]
 
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        done = [r for rs in pool.map(client_loop, range(concurrency)) for r in rs]
-    wall = time.perf_counter() - start
+        records = [r for rs in pool.map(client_loop, range(concurrency)) for r in rs]
+    return records, time.perf_counter() - start
+
+
+def level_row(records: list[dict], wall: float) -> dict:
     return {
-        "concurrency": concurrency,
-        "requests": len(done),
-        "tokens": sum(r["tokens"] for r in done),
-        "ttft_p50": round(percentile([r["ttft"] for r in done], 0.5), 3),
-        "latency_p50": round(percentile([r["latency"] for r in done], 0.5), 3),
-        "latency_p95": round(percentile([r["latency"] for r in done], 0.95), 3),
-        "per_user_tps": round(sum(r["tokens"] / r["latency"] for r in done) / len(done), 2),
-        "aggregate_tps": round(sum(r["tokens"] for r in done) / wall, 2),
+        "requests": len(records),
+        "tokens": sum(r["tokens"] for r in records),
+        "seconds": round(wall, 2),
+        "ttft_p50": round(percentile([r["ttft"] for r in records], 0.5), 3),
+        "latency_p50": round(percentile([r["latency"] for r in records], 0.5), 3),
+        "latency_p95": round(percentile([r["latency"] for r in records], 0.95), 3),
+        "per_user_tps": round(sum(r["tokens"] / r["latency"] for r in records) / len(records), 2),
+        "aggregate_tps": round(sum(r["tokens"] for r in records) / wall, 2),
     }
 
 
@@ -84,23 +158,127 @@ def run_serve_bench(
     prompts: list[str],
     concurrencies,
     max_tokens: int,
-    requests_per_level: int,
+    min_requests: int,
+    min_tokens: int,
+    repetitions: int,
+    out: Path,
+    fixed_lengths=(1, 2, 3, 4, 5, 6, 7),
     progress=print,
 ) -> list[dict]:
+    """One row per (repetition, policy, concurrency). Rows already in out/levels.jsonl from a run with the same
+    settings are kept, not measured again."""
+    settings = {
+        "max_tokens": max_tokens,
+        "min_requests": min_requests,
+        "min_tokens": min_tokens,
+        "prompts": len(prompts),
+        "dtype": str(target.dtype),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "levels.jsonl"
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if row.get("settings") == settings:
+                done[(row["repetition"], row["policy"], row["concurrency"])] = row
+    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(concurrencies))}))
+    table = policies(target, drafter, drafter_path, fixed_lengths, batch_sizes=shapes)
     rows = []
-    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32) if n <= max(concurrencies))}))
-    for label, (speculative, policy) in policies(target, drafter_path, batch_sizes=shapes).items():
-        engine = SpeculativeEngine(target, drafter if speculative else None, policy)
-        app = create_app(
-            engine,
-            target.tokenizer,
-            ServeConfig("bench", max_batch=max(concurrencies), max_concurrent=2 * max(concurrencies)),
-        )
-        with LocalServer(app) as server:
-            drive(server.url, "bench", prompts, 1, 1, 4)  # warm-up
-            for c in concurrencies:
-                per_stream = max(1, -(-requests_per_level // c))
-                row = {"policy": label, **drive(server.url, "bench", prompts, c, per_stream, max_tokens)}
-                rows.append(row)
-                progress(str(row))
+    # The clients run in a process of their own, as they would on another machine: in the server's process their
+    # threads would hold the interpreter lock the engine loop needs between its torch calls.
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
+        for rep in range(repetitions):
+            for label, (speculative, policy) in table.items():
+                todo = [c for c in concurrencies if (rep, label, c) not in done]
+                rows += [done[(rep, label, c)] for c in concurrencies if (rep, label, c) in done]
+                if not todo:
+                    continue
+                engine = SpeculativeEngine(target, drafter if speculative else None, policy)
+                config = ServeConfig("bench", max_batch=max(concurrencies), max_concurrent=2 * max(concurrencies))
+                with LocalServer(create_app(engine, target.tokenizer, config)) as server:
+                    clients.submit(drive, server.url, "bench", prompts, 1, 1, 1, 4).result()  # warm-up
+                    for c in todo:
+                        before = scrape(server.url)
+                        level = (server.url, "bench", prompts, c, min_requests, min_tokens, max_tokens)
+                        records, wall = clients.submit(drive, *level).result()
+                        row = {
+                            "repetition": rep,
+                            "policy": label,
+                            "concurrency": c,
+                            **level_row(records, wall),
+                            **round_metrics(before, scrape(server.url)),
+                            "settings": settings,
+                        }
+                        with log.open("a") as f:
+                            f.write(json.dumps(row) + "\n")
+                        rows.append(row)
+                        progress(json.dumps({k: v for k, v in row.items() if k != "settings"}))
     return rows
+
+
+def mean_interval(values: list[float]) -> tuple[float, float | None]:
+    """Mean and the half-width of its 95 % t interval (None from one value)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, None
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+    return mean, T95.get(n - 1, 1.96) * sd / math.sqrt(n)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    """One row per (policy, concurrency): means over repetitions with 95 % intervals."""
+    out = []
+    for policy in dict.fromkeys(r["policy"] for r in rows):
+        for c in sorted({r["concurrency"] for r in rows if r["policy"] == policy}):
+            reps = [r for r in rows if r["policy"] == policy and r["concurrency"] == c]
+            row = {"policy": policy, "concurrency": c, "repetitions": len(reps)}
+            for key in ("per_user_tps", "aggregate_tps"):
+                mean, half = mean_interval([r[key] for r in reps])
+                row[key], row[key + "_ci"] = round(mean, 2), None if half is None else round(half, 2)
+            for key in ("requests", "tokens", "ttft_p50", "latency_p50", "latency_p95"):
+                row[key] = round(sum(r[key] for r in reps) / len(reps), 3)
+            for key in ("tau", "verified_per_round", "predicted_over_realised", "ece"):
+                values = [r[key] for r in reps if key in r]
+                if values:
+                    row[key] = round(sum(values) / len(values), 4)
+            out.append(row)
+    return out
+
+
+def speed_at_throughput(curve: list[dict], aggregate: float) -> float | None:
+    """A policy's per-user tokens/s at this aggregate throughput, by linear interpolation along its curve through
+    the concurrency levels. Below the curve's least throughput: its one-stream speed (it cannot serve fewer than
+    one stream); above its greatest: None (it never reaches that throughput)."""
+    points = sorted((r["aggregate_tps"], r["per_user_tps"]) for r in curve)
+    if aggregate <= points[0][0]:
+        return points[0][1]
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= aggregate <= x1:
+            return y0 + (y1 - y0) * (aggregate - x0) / (x1 - x0)
+    return None
+
+
+def matched_throughput(summary: list[dict], policy: str, baseline: str) -> dict[int, float | None]:
+    """concurrency -> per-user speed of `policy` over `baseline`'s at the same aggregate throughput (None where the
+    baseline never reaches it: the policy is faster per user and serves more than the baseline can)."""
+    curve = [r for r in summary if r["policy"] == baseline]
+    out = {}
+    for r in summary:
+        if r["policy"] == policy and curve:
+            base = speed_at_throughput(curve, r["aggregate_tps"])
+            out[r["concurrency"]] = None if base is None else round(r["per_user_tps"] / base, 3)
+    return out
+
+
+def best_fixed(summary: list[dict], concurrency: int) -> dict:
+    """The best of plain decoding and every fixed length at this concurrency, by aggregate throughput."""
+    level = [r for r in summary if r["concurrency"] == concurrency]
+    return max(
+        (r for r in level if r["policy"] == "plain" or r["policy"].startswith("fixed")),
+        key=lambda r: r["aggregate_tps"],
+    )

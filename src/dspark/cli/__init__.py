@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(format="dspark: %(message)s", level=logging.INFO, stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # the benchmarks' clients: no line per request
     try:
         return args.func(args)
     except DSparkError as e:

@@ -174,13 +174,15 @@ def load_target(args, layer_ids=None):
     return load(args.dtype)
 
 
-def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, ...] = (1,)):
+def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, ...] = (1,), drafter=None):
     from dspark.decoding.policy import ConfidenceThreshold, FixedLength
 
     if args.schedule or args.cost_table:
         from dspark.scheduling.planner import build_scheduler
 
-        return build_scheduler(target, drafter_path, args.cost_table, args.calibration, args.scheduler, batch_sizes)
+        return build_scheduler(
+            target, drafter_path, args.cost_table, args.calibration, args.scheduler, batch_sizes, drafter
+        )
     if args.calibration:
         raise DSparkError("--calibration sets the scheduler's temperatures; add --schedule (or --cost-table)")
     if args.confidence_threshold is not None:

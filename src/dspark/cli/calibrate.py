@@ -51,6 +51,9 @@ def run(args) -> int:
             "report": rows,
             "drafter": str(args.drafter),
             "prompts": len(texts),
+            "data": args.data or args.datasets,
+            "dtype": args.dtype,
+            "max_new_tokens": args.max_new_tokens,
         },
     )
     if args.plot:

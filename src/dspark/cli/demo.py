@@ -46,7 +46,7 @@ def run(args) -> int:
     drafter = load_drafter(drafter_path, target)
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
-        policy = build_scheduler(target, drafter_path, args.cost_table)
+        policy = build_scheduler(target, drafter_path, args.cost_table, drafter=drafter)
     print(
         f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
         f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n"

@@ -54,9 +54,8 @@ def run(args) -> int:
         from dspark.decoding.engine import SpeculativeEngine
         from dspark.drafter import load_proposer
 
-        engine = SpeculativeEngine(
-            target, load_proposer(args.drafter, target), build_policy(args, target, args.drafter)
-        )
+        drafter = load_proposer(args.drafter, target)
+        engine = SpeculativeEngine(target, drafter, build_policy(args, target, args.drafter, drafter=drafter))
         result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
     else:
         result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]

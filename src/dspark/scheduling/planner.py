@@ -15,7 +15,8 @@ class PrefixScheduler(SurvivalEstimate):
 
     Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
     from ℓ = 0 for every request (B = R tokens, τ = R), each admission sets ℓ_r = j, B += 1, τ += a_{r,j}, and is
-    kept while Θ = τ · SPS(B) improves. The search stops at the first admission that does not improve Θ: looking
+    kept while Θ = τ · SPS(B) improves. SPS is the cost table's rounds per second for R rows carrying B tokens
+    (drafting included where it was profiled): a ragged verify costs the tokens it carries (the decoder packs them). The search stops at the first admission that does not improve Θ: looking
     further would let the token sampled at j decide whether j is verified (Appendix A), which biases the output.
     """
 
@@ -29,17 +30,16 @@ class PrefixScheduler(SurvivalEstimate):
         order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
         values = survival.flatten().tolist()
         ell = [0] * batch
-        tokens, tau, width = batch, float(batch), 1
-        best = tau * self.cost.rate(batch, width, tokens)
+        tokens, tau = batch, float(batch)
+        best = tau * self.cost.rate(batch, 1.0)
         for idx in order:
             r, j = divmod(idx, gamma)
             if j != ell[r]:
                 break  # only reachable through a tie across positions; stopping is always safe
-            wider = max(width, j + 2)  # rows are padded to the longest: [anchor, drafts 1..j+1]
-            theta = (tau + values[idx]) * self.cost.rate(batch, wider, tokens + 1)
+            theta = (tau + values[idx]) * self.cost.rate(batch, (tokens + 1) / batch)
             if theta <= best:
                 break
-            ell[r], tokens, tau, best, width = j + 1, tokens + 1, tau + values[idx], theta, wider
+            ell[r], tokens, tau, best = j + 1, tokens + 1, tau + values[idx], theta
         return torch.tensor(ell, dtype=torch.long)
 
     def describe(self) -> str:
@@ -63,13 +63,12 @@ class ProductionScheduler(PrefixScheduler):
 
     def budget(self, survival: torch.Tensor) -> int:
         """Draft tokens worth verifying for these survival values: the global argmax of Θ."""
-        batch, gamma = survival.shape
-        order = survival.flatten().sort(descending=True)
-        tau, width, best, best_k = float(batch), 1, batch * self.cost.rate(batch, 1, batch), 0
-        for k, (a, idx) in enumerate(zip(order.values.tolist(), order.indices.tolist()), 1):
+        batch = survival.shape[0]
+        values = survival.flatten().sort(descending=True).values.tolist()
+        tau, best, best_k = float(batch), batch * self.cost.rate(batch, 1.0), 0
+        for k, a in enumerate(values, 1):
             tau += a
-            width = max(width, idx % gamma + 2)
-            theta = tau * self.cost.rate(batch, width, batch + k)
+            theta = tau * self.cost.rate(batch, (batch + k) / batch)
             if theta > best:
                 best, best_k = theta, k
         return best_k
@@ -101,12 +100,21 @@ def build_scheduler(
     calibration: str | None = None,
     kind: str = "algorithm1",
     batch_sizes: tuple[int, ...] = (1,),
+    drafter=None,
 ):
-    """A confidence scheduler with the given cost table (else this machine's, profiled once and cached; servers pass
-    `batch_sizes` so that it knows the cost of a batch's shape) and the given STS calibration (else the one shipped
-    beside the drafter; uncalibrated confidences when it has none)."""
+    """A confidence scheduler with the given cost table (else this machine's for this target and the drafter's
+    shape, profiled once and cached; servers pass `batch_sizes` so that it knows the cost of a batch's shape) and
+    the given STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none).
+    `drafter`: the loaded drafter at `drafter_path`, when the caller has it."""
     from dspark.autotune import cached_cost_table
 
-    cost = CostTable.load(cost_table) if cost_table else cached_cost_table(target, batch_sizes=batch_sizes)
+    if cost_table:
+        cost = CostTable.load(cost_table)
+    else:
+        if drafter is None:
+            from dspark.drafter import load_drafter
+
+            drafter = load_drafter(drafter_path, target)
+        cost = cached_cost_table(target, batch_sizes=batch_sizes, drafter=drafter)
     temps = read_temperatures(calibration) if calibration else drafter_temperatures(drafter_path)
     return SCHEDULERS[kind](cost, temps)

@@ -1,7 +1,10 @@
-"""The cost table: how long a verify forward takes as a function of the tokens it carries (docs/design.md §5).
+"""The cost table: how long a round takes as a function of the tokens it verifies (docs/design.md §5).
 
 SPS(B) = target steps per second when the verify forward carries B tokens in total (bonus slots included),
-profiled once per engine, machine and precision. Stored in the interchange format TensorRT-LLM and SGLang read:
+profiled once per engine, machine and precision. Where a drafter was profiled with it, its share of a round
+(proposing γ tokens, then reading the accepted tokens' features) is kept per batch size in `meta["draft"]` and added
+to every round's time: it is paid whatever the round verifies, so a scheduler that left it out would undervalue
+verification. Stored in the interchange format TensorRT-LLM and SGLang read:
 {"token_counts": [...], "step_time_ms": [...], ...}. Where it was profiled at several batch sizes, its grid (rows ×
 tokens per row, in `meta["grid"]`) also gives the cost of a batch's real shape: a ragged verify pads every row to
 the longest, so admitting one draft can cost a whole column of the batch.
@@ -53,7 +56,7 @@ class CostTable:
         """Whether the grid covers more than one batch size (else only the total-token curve is known)."""
         return len({g["batch_size"] for g in self.meta.get("grid", [])}) > 1
 
-    def shape_time(self, rows: int, width: int) -> float:
+    def shape_time(self, rows: int, width: float) -> float:
         """Milliseconds for a forward of `rows` rows padded to `width` tokens each: linear in width at each profiled
         batch size, then linear in rows between them (proportional beyond the largest, like step_time)."""
         by_rows: dict[int, list[tuple[int, float]]] = {}
@@ -73,10 +76,20 @@ class CostTable:
         hi = min(s for s in sizes if s >= rows)
         return at(lo) if lo == hi else at(lo) + (at(hi) - at(lo)) * (rows - lo) / (hi - lo)
 
-    def rate(self, rows: int, width: int, tokens: int) -> float:
-        """Steps per second of a verify forward of `rows` rows, the longest `width` tokens, `tokens` real in all:
-        from the batch's shape where the grid knows shapes, else from the total-token curve."""
-        return 1000.0 / (self.shape_time(rows, width) if self.has_shapes else self.step_time(tokens))
+    def draft_time(self, rows: int) -> float:
+        """Milliseconds of the drafter's share of a round of `rows` rows (0 where no drafter was profiled)."""
+        points = sorted((int(d["batch_size"]), float(d["ms"])) for d in self.meta.get("draft", []))
+        return CostTable([b for b, _ in points], [ms for _, ms in points]).step_time(rows) if points else 0.0
+
+    def round_time(self, rows: int, width: float) -> float:
+        """Milliseconds of a round of `rows` rows verifying `width` tokens per row (fractional: a ragged batch's
+        mean), drafting included: from the batch's shape where the grid knows shapes, else the total-token curve."""
+        verify = self.shape_time(rows, width) if self.has_shapes else self.step_time(rows * width)
+        return verify + self.draft_time(rows)
+
+    def rate(self, rows: int, width: float) -> float:
+        """Rounds per second of `rows` rows verifying `width` tokens per row."""
+        return 1000.0 / self.round_time(rows, width)
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta})
@@ -90,37 +103,66 @@ class CostTable:
         return cls(data["token_counts"], data["step_time_ms"], meta)
 
 
+def median_ms(run, repeats: int) -> float:
+    """Median wall time of `run()` over `repeats` calls after one warm-up, in milliseconds."""
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3)
+
+
 @torch.no_grad()
 def profile_target(
-    target, token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16), context: int = 256, repeats: int = 7, batch_sizes=(1,)
+    target,
+    token_counts=(1, 2, 3, 4, 5, 6, 8, 12, 16),
+    context: int = 256,
+    repeats: int = 7,
+    batch_sizes=(1,),
+    drafter=None,
 ) -> CostTable:
     """Median time of the engine's verify forward (logits and drafter features) over n new tokens per row on a
-    `context`-token cache (rolled back after each), for each batch size. The table is indexed by the tokens a
-    forward carries in total (batch x tokens per row); every measurement is kept in meta["grid"]."""
-    grid, by_total = [], {}
+    `context`-token cache (rolled back after each), for each batch size; with a drafter, also its share of a round
+    at each batch size. The table is indexed by the tokens a forward carries in total (batch x tokens per row);
+    every measurement is kept in meta["grid"] (and meta["draft"])."""
+    from dspark.sampling import SamplingParams
+
+    grid, by_total, draft = [], {}, []
+    layer_ids = list(drafter.target_layer_ids) if drafter is not None else True
     for batch in batch_sizes:
         cache = target.new_cache(batch)
         ids = torch.randint(0, min(target.vocab_size, 5000), (batch, context + max(token_counts)), device=target.device)
-        target.forward(cache, ids[:, :context], logits="last", features=True)
+        out = target.forward(cache, ids[:, :context], logits="last", features=layer_ids)
         for n in token_counts:
-            samples = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                target.forward(cache, ids[:, context : context + n], features=True)
-                samples.append(time.perf_counter() - start)
+
+            def verify(n=n):
+                target.forward(cache, ids[:, context : context + n], features=layer_ids)
                 cache.rollback(cache.lengths - n)
-            ms = round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3)
+
+            ms = median_ms(verify, repeats)
             grid.append({"batch_size": batch, "tokens_per_row": n, "ms": ms})
             by_total.setdefault(batch * n, []).append(ms)
+        if drafter is not None:
+            # A round's drafting: propose γ tokens, then read two accepted tokens' features (the context grows by
+            # two per repeat, as in decoding).
+            dcache = drafter.new_cache(batch)
+            drafter.extend_context(dcache, out.features, torch.full((batch,), context), ids[:, 1 : context + 1])
+            two = torch.full((batch,), 2)
+
+            def round_share():
+                drafter.propose(dcache, ids[:, context], SamplingParams())
+                drafter.extend_context(dcache, out.features[:, -2:], two, ids[:, context - 1 : context + 1])
+
+            draft.append({"batch_size": batch, "ms": median_ms(round_share, repeats)})
     totals = sorted(by_total)
-    return CostTable(
-        totals,
-        [round(sum(by_total[t]) / len(by_total[t]), 3) for t in totals],
-        {
-            "dtype": str(target.dtype).replace("torch.", ""),
-            "context": context,
-            "grid": grid,
-            "threads": torch.get_num_threads(),
-            "target": target.name,
-        },
-    )
+    meta = {
+        "dtype": str(target.dtype).replace("torch.", ""),
+        "context": context,
+        "grid": grid,
+        "threads": torch.get_num_threads(),
+        "target": target.name,
+    }
+    if draft:
+        meta["draft"] = draft
+    return CostTable(totals, [round(sum(by_total[t]) / len(by_total[t]), 3) for t in totals], meta)

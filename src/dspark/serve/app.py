@@ -185,6 +185,10 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
     async def unexpected(_request, e: Exception):  # the last line of defence: still the OpenAI shape
         return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
 
+    # Middleware added last runs first: the guard refuses a client without the key (or with a body too large)
+    # before WholeBody reads any of its body.
+    app.add_middleware(WholeBody, seconds=config.body_timeout_seconds, limit=config.max_body_bytes)
+
     @app.middleware("http")
     async def guard(request: Request, call_next):
         if request.url.path.startswith("/v1/"):
@@ -207,8 +211,6 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
                     code="request_too_large",
                 ).response()
         return await call_next(request)
-
-    app.add_middleware(WholeBody, seconds=config.body_timeout_seconds, limit=config.max_body_bytes)
 
     @app.get("/health")
     async def health():

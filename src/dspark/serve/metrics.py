@@ -8,7 +8,9 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dspark.decoding.stats import SpecStats
+from dspark.scheduling.calibration import ece_from_bins
 
+CALIBRATION_BINS = 10
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -56,6 +58,23 @@ class ServerMetrics:
             registry=r,
         )
         self.round_tokens = Counter("dspark_round_tokens", "tokens the same rounds yielded", registry=r)
+        # Reliability of the survival estimates, per draft position k and tenth of [0, 1]: how many verified drafts
+        # fell in the bin, the sum of their estimates and how many survived. Differences of these counters between
+        # two scrapes give the ECE of that interval (bench serve reports it per concurrency).
+        labels = ["k", "bin"]
+        self.calibration_count = Counter(
+            "dspark_calibration_drafts", "verified drafts by position and estimate bin", labels, registry=r
+        )
+        self.calibration_predicted = Counter(
+            "dspark_calibration_predicted", "sum of their survival estimates", labels, registry=r
+        )
+        self.calibration_survived = Counter(
+            "dspark_calibration_survived", "how many of them survived", labels, registry=r
+        )
+        self.ece = Gauge(
+            "dspark_confidence_ece", "expected calibration error of the survival estimates since start", registry=r
+        )
+        self._bins = torch.zeros(3, CALIBRATION_BINS, dtype=torch.float64)  # count, predicted, survived
         self._recent = deque(maxlen=1000)
         self._stats = SpecStats(max(gamma, 1))
 
@@ -77,6 +96,15 @@ class ServerMetrics:
         accepted. Predicted against realised tokens says whether the confidences mean what they say."""
         self.predicted_tokens.inc(1 + float(survival[:verified].sum()))
         self.round_tokens.inc(1 + accepted)
+        for k, a in enumerate(survival[:verified].tolist()):
+            b, survived = min(int(a * CALIBRATION_BINS), CALIBRATION_BINS - 1), float(k < accepted)
+            labels = {"k": str(k + 1), "bin": str(b)}
+            self.calibration_count.labels(**labels).inc()
+            self.calibration_predicted.labels(**labels).inc(a)
+            self.calibration_survived.labels(**labels).inc(survived)
+            self._bins[:, b] += torch.tensor([1.0, a, survived], dtype=torch.float64)
+        if verified:
+            self.ece.set(ece_from_bins(*self._bins.tolist()))
 
     def finished(self, reason: str, seconds: float) -> None:
         self.requests.labels(reason=reason).inc()

@@ -4,37 +4,42 @@ from __future__ import annotations
 
 import sys
 
-from dspark.cli.args import add_target_args, load_target, positive_int
+from dspark.cli.args import add_target_args, load_target, nonnegative_int, positive_int
 from dspark.cli.bench import add_output_args, check_bench_args, publish
+
+ALL_SETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 
 
 def register(sub) -> None:
     p = sub.add_parser("serve", help="the server under load: latency and throughput per verification policy")
     add_target_args(p)
     p.add_argument("--drafter", help="drafter for the speculative policies (default: the shipped one)")
-    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    p.add_argument("--min-requests", type=positive_int, default=64, help="a level ends after this many requests ...")
+    p.add_argument("--min-tokens", type=positive_int, default=3000, help="... or this many generated tokens")
+    p.add_argument("--max-tokens", type=positive_int, default=256, help="new tokens per request at most")
+    p.add_argument("--repetitions", type=positive_int, default=3, help="runs of every level (95 %% intervals)")
     p.add_argument(
-        "--requests-per-level",
-        type=positive_int,
-        default=8,
-        help="requests per concurrency level at least (each client sends its share back to back)",
+        "--fixed-lengths", type=nonnegative_int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="fixed ℓ policies"
     )
-    p.add_argument("--max-tokens", type=positive_int, default=32)
-    p.add_argument("--datasets", nargs="+", default=["mt-bench", "gsm8k", "humaneval"])
-    p.add_argument("--prompts-per-set", type=positive_int, default=8)
+    p.add_argument("--datasets", nargs="+", default=ALL_SETS, help="evaluation sets the prompts are mixed from")
+    p.add_argument("--prompts-per-set", type=positive_int, default=16)
     add_output_args(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from dspark.assets import eval_prompts, shipped_drafter
-    from dspark.bench.report import serve_plot, serve_section
-    from dspark.bench.serve import run_serve_bench
+    from dspark.autotune import cached_cost_table
+    from dspark.bench.serve import run_serve_bench, summarise
+    from dspark.bench.serve_report import serve_plots, serve_section
     from dspark.drafter import load_drafter
 
     drafter_path = args.drafter or shipped_drafter(args.model)
     out = check_bench_args(args, [drafter_path])
-    prompts = [p for name in args.datasets for p in eval_prompts(name, args.prompts_per_set)]
+    # Interleaved, so every stretch of requests mixes the sets.
+    by_set = [eval_prompts(name, args.prompts_per_set) for name in args.datasets]
+    prompts = [p for group in zip(*by_set) for p in group]
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
     rows = run_serve_bench(
@@ -44,17 +49,27 @@ def run(args) -> int:
         prompts,
         args.concurrency,
         args.max_tokens,
-        args.requests_per_level,
+        args.min_requests,
+        args.min_tokens,
+        args.repetitions,
+        out,
+        tuple(args.fixed_lengths),
         progress=lambda line: print(line, file=sys.stderr),
     )
+    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(args.concurrency))}))
+    cost = cached_cost_table(target, batch_sizes=shapes, drafter=drafter)
     run = {
         "rows": rows,
+        "summary": summarise(rows),
+        "cost_table": {"grid": cost.meta.get("grid", []), "draft": cost.meta.get("draft", [])},
         "model": args.model,
         "dtype": args.dtype,
         "drafter": str(drafter_path),
         "datasets": args.datasets,
         "max_tokens": args.max_tokens,
-        "requests_per_level": args.requests_per_level,
+        "min_requests": args.min_requests,
+        "min_tokens": args.min_tokens,
+        "repetitions": args.repetitions,
     }
-    publish(run, out, "serve", lambda: serve_plot(rows, out / "serve-pareto.png"), serve_section, args.markdown)
+    publish(run, out, "serve", lambda: serve_plots(run, out), serve_section, args.markdown)
     return 0
