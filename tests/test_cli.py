@@ -137,3 +137,18 @@ def test_shipped_drafter_demo(tmp_path):
     assert tau > 1.2, proc.stdout
     refused = dspark("demo", "--fixed", "--cost-table", tmp_path / "costs.json")
     assert refused.returncode == 2 and "--fixed turns it off" in refused.stderr, refused.stderr
+
+
+def test_a_server_leaves_one_core_to_its_http_side():
+    import argparse
+
+    import torch
+
+    from dspark.cli.args import keep_a_core_for_serving
+
+    default = argparse.Namespace(threads=0)
+    keep_a_core_for_serving(default)
+    assert default.threads == max(1, torch.get_num_threads() - 1)
+    chosen = argparse.Namespace(threads=3)
+    keep_a_core_for_serving(chosen)
+    assert chosen.threads == 3

@@ -23,6 +23,13 @@ SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text
 GEMMA_FAMILIES = ("gemma", "gemma2", "gemma3_text")
 
 
+def real_positions(num_new: torch.Tensor, width: int) -> torch.Tensor | None:
+    """[B, W] which positions of a forward are real (row b: its first num_new[b]); None when all are."""
+    if width > 1 and bool((num_new < width).any()):
+        return torch.arange(width, device=num_new.device)[None, :] < num_new[:, None]
+    return None
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding for x [B, H, L, hd] with cos/sin [B, L, hd] (the rotate-half convention of HF)."""
     half = x.shape[-1] // 2
@@ -373,9 +380,7 @@ class LeanDecoder:
         # A ragged forward (rows with fewer real tokens than the widest: a scheduled verify, a prefill of prompts of
         # several lengths) runs every per-token operation on its real tokens only, packed [T, d]; only attention sees
         # the padded [B, W] layout. Its cost follows the tokens it carries, not rows x the longest.
-        real = None
-        if width > 1 and bool((num_new < width).any()):
-            real = torch.arange(width, device=input_ids.device)[None, :] < num_new[:, None]
+        real = real_positions(num_new, width)
 
         def padded(t: torch.Tensor) -> torch.Tensor:
             if real is None:

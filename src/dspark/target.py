@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
-from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear
+from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear, real_positions
 from dspark.errors import DSparkError
 from dspark.kvcache import KVCache
 
@@ -310,9 +310,8 @@ class Target:
         scores = None
         if logits == "last":
             scores = self.logits_from_hidden(hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None])
-        elif logits and width > 1 and bool((num_new < width).any()):
+        elif logits and (real := real_positions(num_new, width)) is not None:
             # The LM head, the largest matrix, runs over the real positions of a ragged forward only.
-            real = torch.arange(width, device=hidden.device)[None, :] < num_new[:, None]
             packed = self.logits_from_hidden(hidden[real])
             scores = packed.new_zeros(batch, width, packed.shape[-1])
             scores[real] = packed

@@ -23,6 +23,8 @@ import urllib.request
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
+import torch
+
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import ConfidenceThreshold, FixedLength, VerifyPolicy
 from dspark.scheduling.calibration import ece_from_bins
@@ -36,14 +38,14 @@ T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8:
 
 
 def policies(
-    target, drafter, drafter_path, fixed_lengths=(1, 2, 3, 4, 5, 6, 7), threshold=0.5, batch_sizes=(1,)
+    target, drafter, drafter_path, fixed_lengths=(1, 2, 3, 4, 5, 6, 7), thresholds=(0.5,), batch_sizes=(1,)
 ) -> dict[str, tuple[bool, VerifyPolicy | None]]:
     """label -> (uses the drafter, policy or None); the schedulers plan with the cost of these batch sizes."""
     from dspark.scheduling.planner import build_scheduler
 
     out: dict[str, tuple[bool, VerifyPolicy | None]] = {"plain": (False, None)}
     out.update({f"fixed {n}": (True, FixedLength(n)) for n in fixed_lengths})
-    out[f"threshold {threshold}"] = (True, ConfidenceThreshold(threshold))
+    out.update({f"threshold {t}": (True, ConfidenceThreshold(t)) for t in thresholds})
     for kind in SCHEDULED:
         out[kind] = (True, build_scheduler(target, drafter_path, kind=kind, batch_sizes=batch_sizes, drafter=drafter))
     return out
@@ -83,12 +85,14 @@ def round_metrics(before: dict, after: dict) -> dict:
     realised = delta("dspark_round_tokens_total")
     if realised:
         out["predicted_over_realised"] = round(delta("dspark_predicted_round_tokens_total") / realised, 3)
-    keys = {dict(labels)["bin"] for name, labels in after if name == "dspark_calibration_drafts_total"}
-    bins = [
-        [sum(delta(f"dspark_calibration_{kind}_total", k=k, bin=b) for k in map(str, range(1, 33))) for b in keys]
-        for kind in ("drafts", "predicted", "survived")
-    ]
-    if sum(bins[0]):
+    cells = [dict(labels) for name, labels in after if name == "dspark_calibration_drafts_total"]
+    bins = []  # per kind: per estimate bin, summed over draft positions
+    for kind in ("drafts", "predicted", "survived"):
+        by_bin: dict[str, float] = {}
+        for cell in cells:
+            by_bin[cell["bin"]] = by_bin.get(cell["bin"], 0.0) + delta(f"dspark_calibration_{kind}_total", **cell)
+        bins.append([by_bin[b] for b in sorted(by_bin)])
+    if cells and sum(bins[0]):
         out["ece"] = round(ece_from_bins(*bins), 4)
     return out
 
@@ -163,38 +167,31 @@ def run_serve_bench(
     repetitions: int,
     out: Path,
     fixed_lengths=(1, 2, 3, 4, 5, 6, 7),
+    thresholds=(0.5,),
     progress=print,
 ) -> list[dict]:
-    """One row per (repetition, policy, concurrency). Rows already in out/levels.jsonl from a run with the same
-    settings are kept, not measured again."""
+    """One row per (repetition, policy, concurrency). Levels already in out/levels.jsonl from a run with the same
+    settings are not measured again, and every level logged with these settings is returned: runs of some policies
+    at more repetitions than others add up in one report."""
     settings = {
         "max_tokens": max_tokens,
         "min_requests": min_requests,
         "min_tokens": min_tokens,
         "prompts": len(prompts),
         "dtype": str(target.dtype),
+        "threads": torch.get_num_threads(),
     }
     out.mkdir(parents=True, exist_ok=True)
     log = out / "levels.jsonl"
-    done = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut short by a kill
-            if row.get("settings") == settings:
-                done[(row["repetition"], row["policy"], row["concurrency"])] = row
+    done = logged_levels(log, settings)
     shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(concurrencies))}))
-    table = policies(target, drafter, drafter_path, fixed_lengths, batch_sizes=shapes)
-    rows = []
+    table = policies(target, drafter, drafter_path, fixed_lengths, thresholds, batch_sizes=shapes)
     # The clients run in a process of their own, as they would on another machine: in the server's process their
     # threads would hold the interpreter lock the engine loop needs between its torch calls.
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for rep in range(repetitions):
             for label, (speculative, policy) in table.items():
                 todo = [c for c in concurrencies if (rep, label, c) not in done]
-                rows += [done[(rep, label, c)] for c in concurrencies if (rep, label, c) in done]
                 if not todo:
                     continue
                 engine = SpeculativeEngine(target, drafter if speculative else None, policy)
@@ -215,9 +212,26 @@ def run_serve_bench(
                         }
                         with log.open("a") as f:
                             f.write(json.dumps(row) + "\n")
-                        rows.append(row)
                         progress(json.dumps({k: v for k, v in row.items() if k != "settings"}))
-    return rows
+    order = {label: i for i, label in enumerate(table)}
+    return sorted(
+        logged_levels(log, settings).values(),
+        key=lambda r: (order.get(r["policy"], len(order)), r["policy"], r["concurrency"], r["repetition"]),
+    )
+
+
+def logged_levels(log: Path, settings: dict) -> dict[tuple, dict]:
+    """(repetition, policy, concurrency) -> the level's row, for every level in the log measured with `settings`."""
+    done = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut short by a kill
+            if row.get("settings") == settings:
+                done[(row["repetition"], row["policy"], row["concurrency"])] = row
+    return done
 
 
 def mean_interval(values: list[float]) -> tuple[float, float | None]:

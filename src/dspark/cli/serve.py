@@ -10,6 +10,7 @@ from dspark.cli.args import (
     build_policy,
     check_policy_args,
     finite_float,
+    keep_a_core_for_serving,
     load_target,
     positive_int,
 )
@@ -57,6 +58,7 @@ def run(args) -> int:
         max_body_bytes=args.max_body_bytes,
         drain_seconds=args.drain_seconds,
     )
+    keep_a_core_for_serving(args)
     target = load_target(args)
     drafter = load_proposer(args.drafter, target) if args.drafter else None
     # The scheduler plans with the cost of the batch shapes this server runs: rows up to --max-batch.

@@ -15,9 +15,10 @@ class PrefixScheduler(SurvivalEstimate):
 
     Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
     from ℓ = 0 for every request (B = R tokens, τ = R), each admission sets ℓ_r = j, B += 1, τ += a_{r,j}, and is
-    kept while Θ = τ · SPS(B) improves. SPS is the cost table's rounds per second for R rows carrying B tokens
-    (drafting included where it was profiled): a ragged verify costs the tokens it carries (the decoder packs them). The search stops at the first admission that does not improve Θ: looking
-    further would let the token sampled at j decide whether j is verified (Appendix A), which biases the output.
+    kept while Θ = τ · SPS(B) improves, SPS being the cost table's rounds per second for R rows carrying B tokens
+    (drafting included where it was profiled; a ragged verify costs the tokens it carries). The search stops at the
+    first admission that does not improve Θ: looking further would let the token sampled at j decide whether j is
+    verified (Appendix A), which biases the output.
     """
 
     def __init__(self, cost, temperatures: list[float] | None = None):

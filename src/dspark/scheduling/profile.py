@@ -6,8 +6,8 @@ profiled once per engine, machine and precision. Where a drafter was profiled wi
 to every round's time: it is paid whatever the round verifies, so a scheduler that left it out would undervalue
 verification. Stored in the interchange format TensorRT-LLM and SGLang read:
 {"token_counts": [...], "step_time_ms": [...], ...}. Where it was profiled at several batch sizes, its grid (rows ×
-tokens per row, in `meta["grid"]`) also gives the cost of a batch's real shape: a ragged verify pads every row to
-the longest, so admitting one draft can cost a whole column of the batch.
+tokens per row, in `meta["grid"]`) also gives the cost of a batch's shape: R rows carrying B tokens in all cost what
+R rows of B/R tokens each do, since a ragged forward multiplies only its real tokens.
 """
 
 from __future__ import annotations

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import sys
 
-from dspark.cli.args import add_target_args, load_target, nonnegative_int, positive_int
+from dspark.cli.args import (
+    add_target_args,
+    finite_float,
+    keep_a_core_for_serving,
+    load_target,
+    nonnegative_int,
+    positive_int,
+)
 from dspark.cli.bench import add_output_args, check_bench_args, publish
 
 ALL_SETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
@@ -21,6 +28,9 @@ def register(sub) -> None:
     p.add_argument("--repetitions", type=positive_int, default=3, help="runs of every level (95 %% intervals)")
     p.add_argument(
         "--fixed-lengths", type=nonnegative_int, nargs="+", default=[1, 2, 3, 4, 5, 6, 7], help="fixed ℓ policies"
+    )
+    p.add_argument(
+        "--thresholds", type=finite_float, nargs="*", default=[0.5], help="static threshold policies (none: skip)"
     )
     p.add_argument("--datasets", nargs="+", default=ALL_SETS, help="evaluation sets the prompts are mixed from")
     p.add_argument("--prompts-per-set", type=positive_int, default=16)
@@ -40,6 +50,7 @@ def run(args) -> int:
     # Interleaved, so every stretch of requests mixes the sets.
     by_set = [eval_prompts(name, args.prompts_per_set) for name in args.datasets]
     prompts = [p for group in zip(*by_set) for p in group]
+    keep_a_core_for_serving(args)
     target = load_target(args)
     drafter = load_drafter(drafter_path, target)
     rows = run_serve_bench(
@@ -54,6 +65,7 @@ def run(args) -> int:
         args.repetitions,
         out,
         tuple(args.fixed_lengths),
+        tuple(args.thresholds),
         progress=lambda line: print(line, file=sys.stderr),
     )
     shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(args.concurrency))}))
