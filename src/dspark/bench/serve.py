@@ -186,8 +186,8 @@ def run_serve_bench(
     done = logged_levels(log, settings)
     shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(concurrencies))}))
     table = policies(target, drafter, drafter_path, fixed_lengths, thresholds, batch_sizes=shapes)
-    # The clients run in a process of their own, as they would on another machine: in the server's process their
-    # threads would hold the interpreter lock the engine loop needs between its torch calls.
+    # The clients run in a process of their own, as they would on another machine: their threads do not share the
+    # server's interpreter lock.
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as clients:
         for rep in range(repetitions):
             for label, (speculative, policy) in table.items():
