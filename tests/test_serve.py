@@ -276,6 +276,11 @@ def test_serving_the_real_target_with_the_shipped_drafter(real_target):
             server.metric("dspark_round_tokens_total"),
         )
         assert realised > 0 and 0.5 < predicted / realised < 2
+        # the calibration error since start, as the gauge says it and as the per-bin counters give it
+        from dspark.bench.serve import round_metrics, scrape
+
+        ece = server.metric("dspark_confidence_ece")
+        assert 0 < ece < 1 and round_metrics({}, scrape(server.url))["ece"] == pytest.approx(ece, abs=1e-4)
 
 
 def test_shutdown_lets_in_flight_requests_finish(tiny):

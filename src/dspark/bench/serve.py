@@ -28,6 +28,7 @@ import torch
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import ConfidenceThreshold, FixedLength, VerifyPolicy
 from dspark.scheduling.calibration import ece_from_bins
+from dspark.scheduling.profile import batch_sizes_up_to
 from dspark.serve.app import ServeConfig, create_app
 from dspark.serve.local import LocalServer
 
@@ -184,7 +185,8 @@ def run_serve_bench(
     out.mkdir(parents=True, exist_ok=True)
     log = out / "levels.jsonl"
     done = logged_levels(log, settings)
-    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(concurrencies))}))
+    # The schedulers plan with the batch shapes a server of this many rows profiles (as `dspark serve` does).
+    shapes = batch_sizes_up_to(max(concurrencies))
     table = policies(target, drafter, drafter_path, fixed_lengths, thresholds, batch_sizes=shapes)
     # The clients run in a process of their own, as they would on another machine: their threads do not share the
     # server's interpreter lock.

@@ -45,6 +45,7 @@ def run(args) -> int:
 
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.drafter import load_proposer
+    from dspark.scheduling.profile import batch_sizes_up_to
     from dspark.serve.app import ServeConfig, create_app
     from dspark.serve.local import DrainingServer, server_config
 
@@ -62,7 +63,7 @@ def run(args) -> int:
     target = load_target(args)
     drafter = load_proposer(args.drafter, target) if args.drafter else None
     # The scheduler plans with the cost of the batch shapes this server runs: rows up to --max-batch.
-    shapes = tuple(sorted({min(n, args.max_batch) for n in (1, 2, 4, 8, 16, 32, 64)}))
+    shapes = batch_sizes_up_to(args.max_batch)
     policy = build_policy(args, target, args.drafter, batch_sizes=shapes, drafter=drafter) if drafter else None
     engine = SpeculativeEngine(target, drafter, policy)
     if args.host not in ("127.0.0.1", "localhost", "::1"):

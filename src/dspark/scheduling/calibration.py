@@ -57,7 +57,10 @@ def survival(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(logits / temperatures).cumprod(dim=-1)
 
 
-def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = 10) -> float:
+ECE_BINS = 10  # equal-width bins of [0, 1], here and in the server's calibration counters
+
+
+def ece(pred: torch.Tensor, label: torch.Tensor, bins: int = ECE_BINS) -> float:
     """Expected calibration error with equal-width bins."""
     idx = (pred * bins).long().clamp(max=bins - 1)
     count = torch.bincount(idx, minlength=bins).tolist()

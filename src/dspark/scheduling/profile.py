@@ -103,6 +103,11 @@ class CostTable:
         return cls(data["token_counts"], data["step_time_ms"], meta)
 
 
+def batch_sizes_up_to(rows: int) -> tuple[int, ...]:
+    """The batch sizes profiled for a server of at most `rows` rows a round: powers of two to 64, capped at `rows`."""
+    return tuple(sorted({min(n, rows) for n in (1, 2, 4, 8, 16, 32, 64)}))
+
+
 def median_ms(run, repeats: int) -> float:
     """Median wall time of `run()` over `repeats` calls after one warm-up, in milliseconds."""
     samples = []

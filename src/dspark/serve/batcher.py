@@ -171,9 +171,8 @@ class EngineLoop:
         batch.rows.clear()
 
     def _on_round(self, _index: int, confidence_logits, verified: int, accepted: int) -> None:
-        survival = self.engine.policy.survival(confidence_logits[None])[0]
-        if survival is not None:
-            self.metrics.record_round(survival, verified, accepted)
+        # The engine reports rounds of drafters with a confidence head only, so there is always an estimate.
+        self.metrics.record_round(self.engine.policy.survival(confidence_logits[None])[0], verified, accepted)
 
     def _emit(self, index: int, tokens: list[int]) -> None:
         sub = self.active.get(index)

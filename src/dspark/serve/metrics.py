@@ -8,9 +8,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from dspark.decoding.stats import SpecStats
-from dspark.scheduling.calibration import ece_from_bins
+from dspark.scheduling.calibration import ECE_BINS, ece_from_bins
 
-CALIBRATION_BINS = 10
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -74,7 +73,7 @@ class ServerMetrics:
         self.ece = Gauge(
             "dspark_confidence_ece", "expected calibration error of the survival estimates since start", registry=r
         )
-        self._bins = torch.zeros(3, CALIBRATION_BINS, dtype=torch.float64)  # count, predicted, survived
+        self._bins = [[0.0] * ECE_BINS for _ in range(3)]  # the same totals since start: count, predicted, survived
         self._recent = deque(maxlen=1000)
         self._stats = SpecStats(max(gamma, 1))
 
@@ -97,14 +96,15 @@ class ServerMetrics:
         self.predicted_tokens.inc(1 + float(survival[:verified].sum()))
         self.round_tokens.inc(1 + accepted)
         for k, a in enumerate(survival[:verified].tolist()):
-            b, survived = min(int(a * CALIBRATION_BINS), CALIBRATION_BINS - 1), float(k < accepted)
+            b, survived = min(int(a * ECE_BINS), ECE_BINS - 1), float(k < accepted)
             labels = {"k": str(k + 1), "bin": str(b)}
             self.calibration_count.labels(**labels).inc()
             self.calibration_predicted.labels(**labels).inc(a)
             self.calibration_survived.labels(**labels).inc(survived)
-            self._bins[:, b] += torch.tensor([1.0, a, survived], dtype=torch.float64)
+            for total, value in zip(self._bins, (1.0, a, survived)):
+                total[b] += value
         if verified:
-            self.ece.set(ece_from_bins(*self._bins.tolist()))
+            self.ece.set(ece_from_bins(*self._bins))
 
     def finished(self, reason: str, seconds: float) -> None:
         self.requests.labels(reason=reason).inc()

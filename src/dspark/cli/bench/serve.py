@@ -44,6 +44,7 @@ def run(args) -> int:
     from dspark.bench.serve import run_serve_bench, summarise
     from dspark.bench.serve_report import serve_plots, serve_section
     from dspark.drafter import load_drafter
+    from dspark.scheduling.profile import batch_sizes_up_to
 
     drafter_path = args.drafter or shipped_drafter(args.model)
     out = check_bench_args(args, [drafter_path])
@@ -68,8 +69,7 @@ def run(args) -> int:
         tuple(args.thresholds),
         progress=lambda line: print(line, file=sys.stderr),
     )
-    shapes = tuple(sorted({1, *(n for n in (2, 4, 8, 16, 32, 64) if n <= max(args.concurrency))}))
-    cost = cached_cost_table(target, batch_sizes=shapes, drafter=drafter)
+    cost = cached_cost_table(target, batch_sizes=batch_sizes_up_to(max(args.concurrency)), drafter=drafter)
     run = {
         "rows": rows,
         "summary": summarise(rows),
