@@ -8,12 +8,13 @@ import torch
 from conftest import tiny_drafter, tiny_target
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
+from dspark.decoding.policy import FixedLength
 from dspark.decoding.verify import verify_sampling
 from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
 from dspark.scheduling.planner import PrefixScheduler
-from dspark.scheduling.profile import CostTable, profile_target
+from dspark.scheduling.profile import CostTable, fit_line, profile_target
 
 APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
 
@@ -69,6 +70,11 @@ def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
     assert shaped.shape_time(2, 2) == pytest.approx(10.0 + 1.0 * 2)  # between profiled batch sizes: linear in rows
     assert shaped.shape_time(8, 2) == pytest.approx(2 * (10.0 + 1.0 * 4))  # beyond: proportional
     assert shaped.draft_time(4) == 0 and shaped.round_time(4, 2) == pytest.approx(14.0)
+    # the grid's timings per batch size are read as a least-squares line in width, never falling
+    assert fit_line([(1, 10.0), (2, 12.0), (3, 14.0)]) == pytest.approx((10.0, 2.0))
+    assert fit_line([(1, 14.0), (2, 10.0), (3, 12.0)]) == pytest.approx((12.0, 0.0))
+    noisy = CostTable([1], [10.0], {"grid": [dict(g, ms=g["ms"] * (1.4 if g == grid[0] else 1)) for g in grid]})
+    assert noisy.shape_time(1, 1) <= noisy.shape_time(1, 2) <= noisy.shape_time(1, 4)  # raw points: 14, 11, ...
     drafting = CostTable(
         [1, 16], [10.0, 10.5], {"grid": grid, "draft": [{"batch_size": 1, "ms": 4.0}, {"batch_size": 4, "ms": 10.0}]}
     )
@@ -83,6 +89,43 @@ def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
     # ... but it does once the round also pays 20 ms of drafting, spent whether or not it verifies
     paid = {"grid": single, "draft": [{"batch_size": 1, "ms": 20.0}]}
     assert PrefixScheduler(CostTable([1], [10.0], paid)).lengths(one, 1, 1).tolist() == [1]
+
+
+def test_a_scheduler_skips_drafting_where_it_does_not_pay():
+    """Drafting costs little beside one row's forward and much beside sixteen rows' (as on a CPU): with drafts that
+    survive half the time, one row drafts and sixteen verify their anchors alone, drafting once every probe_every
+    rounds to renew the estimate."""
+    grid = [{"batch_size": b, "tokens_per_row": w, "ms": 10.0 * b + 1.0 * b * (w - 1)} for b in (1, 16) for w in (1, 4)]
+    draft = [{"batch_size": 1, "ms": 2.0}, {"batch_size": 16, "ms": 300.0}]
+    scheduler = PrefixScheduler(CostTable([1], [10.0], {"grid": grid, "draft": draft}), probe_every=4)
+    assert scheduler.drafts(16)  # nothing seen yet: draft
+    scheduler.lengths(torch.full((16, 3), logit(0.7)), 3, 16)  # survival 0.7, 0.49, 0.34
+    assert scheduler.drafting_pays(1) and not scheduler.drafting_pays(16)
+    assert [scheduler.drafts(16) for _ in range(8)] == [False, False, False, True] * 2
+    assert scheduler.drafts(1)
+    # drafts that always survive pay even at sixteen rows
+    scheduler.recent.clear()
+    scheduler.lengths(torch.full((16, 3), 30.0), 3, 16)
+    assert scheduler.drafting_pays(16)
+
+
+def test_an_engine_that_skips_drafting_is_lossless_and_saves_the_proposals():
+    target = tiny_target(eos=7)
+    drafter = tiny_drafter(target, block_size=4)
+    dear = CostTable([1], [10.0], {"grid": [{"batch_size": 1, "tokens_per_row": w, "ms": 10.0} for w in (1, 5)]})
+    dear.meta["draft"] = [{"batch_size": 1, "ms": 1000.0}]  # no draft pays for a 1000 ms proposal
+    engine = SpeculativeEngine(target, drafter, PrefixScheduler(dear, probe_every=5))
+    proposals = []
+    propose = drafter.propose
+    drafter.propose = lambda *a, **k: proposals.append(1) or propose(*a, **k)
+    prompt = [9, 10, 11, 12]
+    [result] = engine.generate([prompt], 30)
+    assert result.token_ids == generate_plain(target, [prompt], 30)[0].token_ids
+    assert result.stats.drafted_rounds == len(proposals) == math.ceil(result.stats.rounds / 5)
+    # fixed ℓ = 0 never drafts at all
+    proposals.clear()
+    [result] = SpeculativeEngine(target, drafter, FixedLength(0)).generate([prompt], 30)
+    assert result.stats.drafted_rounds == len(proposals) == 0 < result.stats.rounds
 
 
 def appendix_a_first_token(scheduler_lengths, n=20000, seed=0):

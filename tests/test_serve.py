@@ -345,6 +345,9 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     spec = [r for r in rows if r["policy"] != "plain"]
     assert all(r["rounds"] > 0 and r["tau"] >= 1 and 0 <= r["ece"] <= 1 for r in spec)
     assert all(r["predicted_over_realised"] > 0 for r in spec)
+    # fixed lengths and the threshold draft every round; the schedulers may verify anchors alone
+    assert all(r["drafted_share"] == 1 for r in spec if r["policy"] not in bench_serve.SCHEDULED)
+    assert all(0 < r["drafted_share"] <= 1 for r in spec)
     seen: list[str] = []
     # A second repetition of all but fixed 3: the first is read back from levels.jsonl, not measured again, and
     # fixed 3's one repetition stays in the report.

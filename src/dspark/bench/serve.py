@@ -71,8 +71,8 @@ def scrape(url: str) -> dict[tuple, float]:
 
 
 def round_metrics(before: dict, after: dict) -> dict:
-    """What the server's counters say of the rounds between two scrapes: τ, predicted against realised tokens per
-    round, and the ECE of the survival estimates of every verified draft."""
+    """What the server's counters say of the rounds between two scrapes: τ, the share of rounds that drafted,
+    predicted against realised tokens per round, and the ECE of the survival estimates of every verified draft."""
 
     def delta(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -83,6 +83,7 @@ def round_metrics(before: dict, after: dict) -> dict:
     if rounds:
         out["tau"] = round((rounds + delta("dspark_accepted_draft_tokens_total")) / rounds, 3)
         out["verified_per_round"] = round(delta("dspark_verified_draft_tokens_total") / rounds, 3)
+        out["drafted_share"] = round(delta("dspark_drafted_rounds_total") / rounds, 3)
     realised = delta("dspark_round_tokens_total")
     if realised:
         out["predicted_over_realised"] = round(delta("dspark_predicted_round_tokens_total") / realised, 3)
@@ -258,7 +259,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                 row[key], row[key + "_ci"] = round(mean, 2), None if half is None else round(half, 2)
             for key in ("requests", "tokens", "ttft_p50", "latency_p50", "latency_p95"):
                 row[key] = round(sum(r[key] for r in reps) / len(reps), 3)
-            for key in ("tau", "verified_per_round", "predicted_over_realised", "ece"):
+            for key in ("tau", "verified_per_round", "drafted_share", "predicted_over_realised", "ece"):
                 values = [r[key] for r in reps if key in r]
                 if values:
                     row[key] = round(sum(values) / len(values), 4)

@@ -135,7 +135,7 @@ class SpeculativeEngine:
 
         t0 = time.perf_counter()
         proposal, ell = None, torch.zeros(len(rows), dtype=torch.long, device=device)
-        if drafter is not None:
+        if drafter is not None and self.policy.drafts(len(rows)):
             proposal = drafter.propose(batch.dcache, anchors, sampling, gens)
             ell = self.policy.lengths(proposal.confidence_logits, self.gamma, len(rows)).to(device)
             # Never verify past max_new_tokens: those tokens would be cut anyway.
@@ -164,7 +164,7 @@ class SpeculativeEngine:
         draft_list, acc, nxt, ells = drafts.tolist(), accepted.tolist(), batch.anchors.tolist(), ell.tolist()
         share = 1 / len(rows)
         for i, row in enumerate(rows):
-            row.stats.record(ells[i], acc[i])
+            row.stats.record(ells[i], acc[i], drafted=proposal is not None)
             row.stats.draft_seconds += (t1 - t0) * share
             row.stats.verify_seconds += (t2 - t1) * share
             row.stats.context_seconds += (t3 - t2) * share

@@ -3,9 +3,11 @@
 Every policy implements `VerifyPolicy`: fixed length and the static confidence threshold here, the cost-aware
 schedulers (Algorithm 1 and the production variant) in scheduling/planner.py.
 
-A policy sees the round's confidence logits ([B, γ], None for drafters without a confidence head) and returns
-ℓ_r ∈ [0, γ] per request. The decision for position k may depend only on what was drafted before k (a stopping
-rule), or verification stops being lossless.
+A policy first says whether a round drafts at all (a round that does not verifies each anchor alone, as plain
+decoding does, and saves the drafter's share of the round); a drafted round's policy sees its confidence logits
+([B, γ], None for drafters without a confidence head) and returns ℓ_r ∈ [0, γ] per request. The decision for
+position k may depend only on what was drafted before k (a stopping rule), or verification stops being lossless;
+whether to draft is decided before anything is drafted, so it is lossless whatever it reads.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from dspark.errors import DSparkError
 
 
 class VerifyPolicy(Protocol):
+    def drafts(self, rows: int) -> bool:
+        """Whether a round of `rows` rows drafts at all."""
+
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         """ℓ_r ∈ [0, γ] per request [batch] for this round, from the drafts' confidence logits [batch, γ]."""
 
@@ -42,10 +47,14 @@ def prefix_survival(logits: torch.Tensor | None, policy: str, temperatures=None)
     return confidences(logits, policy, temperatures).float().cumprod(dim=1)
 
 
-class SurvivalEstimate:
-    """VerifyPolicy.survival from the confidence head, scaled by the policy's STS temperatures where it has them."""
+class BasePolicy:
+    """What policies share unless they say otherwise: every round drafts, and survival comes from the confidence
+    head, scaled by the policy's STS temperatures where it has them."""
 
     temperatures: list[float] | None = None
+
+    def drafts(self, rows: int) -> bool:
+        return True
 
     def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
         if confidence_logits is None:
@@ -53,13 +62,16 @@ class SurvivalEstimate:
         return prefix_survival(confidence_logits, "survival", self.temperatures)
 
 
-class FixedLength(SurvivalEstimate):
+class FixedLength(BasePolicy):
     """Verify a fixed number of draft tokens (γ by default): plain chain drafting."""
 
     def __init__(self, length: int | None = None):
         if length is not None and length < 0:
             raise DSparkError(f"verification length must be >= 0, got {length}")
         self.length = length
+
+    def drafts(self, rows: int) -> bool:
+        return self.length != 0
 
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         length = gamma if self.length is None else min(self.length, gamma)
@@ -69,7 +81,7 @@ class FixedLength(SurvivalEstimate):
         return f"fixed({'γ' if self.length is None else self.length})"
 
 
-class ConfidenceThreshold(SurvivalEstimate):
+class ConfidenceThreshold(BasePolicy):
     """Static threshold (paper Fig. 5): stop before the first position whose confidence c_k is below `threshold`."""
 
     def __init__(self, threshold: float):

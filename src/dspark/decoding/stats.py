@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class SpecStats:
     gamma: int
     rounds: int = 0
+    drafted_rounds: int = 0  # rounds in which the drafter proposed (the policy may skip drafting)
     tokens: int = 0  # τ summed over rounds (accepted drafts + the target's token)
     verified_tokens: int = 0  # Σ ℓ
     accepted_hist: list[int] = field(default_factory=list)  # rounds by number of accepted drafts 0..γ
@@ -24,8 +25,9 @@ class SpecStats:
         self.reached = self.reached or [0] * self.gamma
         self.accepted = self.accepted or [0] * self.gamma
 
-    def record(self, verified: int, accepted: int) -> None:
+    def record(self, verified: int, accepted: int, drafted: bool = True) -> None:
         self.rounds += 1
+        self.drafted_rounds += drafted
         self.tokens += accepted + 1
         self.verified_tokens += verified
         self.accepted_hist[accepted] += 1
@@ -37,6 +39,7 @@ class SpecStats:
         out = SpecStats(max(self.gamma, other.gamma))
         for s in (self, other):
             out.rounds += s.rounds
+            out.drafted_rounds += s.drafted_rounds
             out.tokens += s.tokens
             out.verified_tokens += s.verified_tokens
             for name in ("prefill_seconds", "draft_seconds", "verify_seconds", "context_seconds"):
@@ -59,6 +62,7 @@ class SpecStats:
         return {
             "tau": round(self.tau, 4),
             "rounds": self.rounds,
+            "drafted_rounds": self.drafted_rounds,
             "gamma": self.gamma,
             "mean_verified": round(self.verified_tokens / self.rounds, 4) if self.rounds else 0.0,
             "accept_by_position": [None if p is None else round(p, 4) for p in self.accept_by_position()],

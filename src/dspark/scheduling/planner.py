@@ -3,14 +3,17 @@ confidences and the engine's measured cost table. Both implement decoding.policy
 
 from __future__ import annotations
 
+from collections import deque
+from itertools import accumulate
+
 import torch
 
-from dspark.decoding.policy import SurvivalEstimate, prefix_survival
+from dspark.decoding.policy import BasePolicy, prefix_survival
 from dspark.scheduling.calibration import drafter_temperatures, read_temperatures
 from dspark.scheduling.profile import CostTable
 
 
-class PrefixScheduler(SurvivalEstimate):
+class PrefixScheduler(BasePolicy):
     """Confidence-scheduled verification, Algorithm 1 of the paper (docs/design.md §5).
 
     Candidates (request r, position j) are taken in order of prefix survival a_{r,j} = Π_{i<=j} c_{r,i}. Starting
@@ -19,14 +22,49 @@ class PrefixScheduler(SurvivalEstimate):
     (drafting included where it was profiled; a ragged verify costs the tokens it carries). The search stops at the
     first admission that does not improve Θ: looking further would let the token sampled at j decide whether j is
     verified (Appendix A), which biases the output.
+
+    Before drafting, a round asks whether drafting pays at its batch size: by the survival estimates of the last
+    `memory` drafted rounds, would the best verification earn more than the drafter's share of the round costs?
+    Where it would not (a loaded server, doubtful drafts), the round verifies its anchors alone, as plain decoding;
+    every `probe_every`-th round drafts anyway to renew the estimates. The question is settled before the round
+    drafts, so its answer cannot depend on what is drafted: lossless.
     """
 
-    def __init__(self, cost, temperatures: list[float] | None = None):
+    def __init__(self, cost, temperatures: list[float] | None = None, memory: int = 8, probe_every: int = 16):
         self.cost = cost
         self.temperatures = temperatures
+        self.recent: deque[torch.Tensor] = deque(maxlen=memory)  # survival [rows, γ] of the last drafted rounds
+        self.probe_every = probe_every
+        self.skipped = 0  # rounds since the last drafted one
+
+    def drafts(self, rows: int) -> bool:
+        if not self.recent or self.skipped + 1 >= self.probe_every or self.drafting_pays(rows):
+            self.skipped = 0
+            return True
+        self.skipped += 1
+        return False
+
+    def drafting_pays(self, rows: int) -> bool:
+        """Whether a round of `rows` rows that drafts and verifies its most likely drafts beats one that verifies
+        its anchors alone, in expected tokens per second, the drafts' survival taken from the recent rounds (pooled,
+        per row) and verified 1/4 token per row at a time up to γ."""
+        pooled = torch.cat(list(self.recent))
+        per_row, gamma = pooled.shape
+        gains = [0.0, *accumulate(pooled.flatten().sort(descending=True).values.tolist())]
+        best = 0.0
+        for quarter in range(4 * gamma + 1):
+            k = round(quarter * per_row / 4)
+            best = max(best, (1 + gains[k] / per_row) * self.cost.rate(rows, 1 + k / per_row))
+        return best > self.cost.rate(rows, 1.0, drafted=False)
+
+    def observe(self, confidence_logits: torch.Tensor | None) -> torch.Tensor:
+        """This round's survival estimates [B, γ], remembered for `drafts`."""
+        survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
+        self.recent.append(survival)
+        return survival
 
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
+        survival = self.observe(confidence_logits)
         # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
         order = torch.sort(-survival.flatten(), stable=True).indices.tolist()
         values = survival.flatten().tolist()
@@ -57,8 +95,10 @@ class ProductionScheduler(PrefixScheduler):
     depends on a_{r,j} and on other requests, never on a_{r,j+1} (it ranks below a_{r,j}), so the token drafted at
     j cannot decide whether j is verified: lossless, like Algorithm 1."""
 
-    def __init__(self, cost, temperatures: list[float] | None = None, delay: int = 2):
-        super().__init__(cost, temperatures)
+    def __init__(
+        self, cost, temperatures: list[float] | None = None, delay: int = 2, memory: int = 8, probe_every: int = 16
+    ):
+        super().__init__(cost, temperatures, memory, probe_every)
         self.delay = delay
         self.budgets: list[int] = []
 
@@ -75,7 +115,7 @@ class ProductionScheduler(PrefixScheduler):
         return best_k
 
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
-        survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
+        survival = self.observe(confidence_logits)
         self.budgets.append(self.budget(survival))
         # Until two steps have been seen, verify one draft per request.
         budget = self.budgets.pop(0) if len(self.budgets) > self.delay else batch

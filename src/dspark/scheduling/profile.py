@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -51,22 +52,35 @@ class CostTable:
         """Target steps per second at `tokens` tokens per verify forward."""
         return 1000.0 / self.step_time(tokens)
 
-    @property
+    @cached_property
     def has_shapes(self) -> bool:
         """Whether the grid covers more than one batch size (else only the total-token curve is known)."""
         return len({g["batch_size"] for g in self.meta.get("grid", [])}) > 1
 
-    def shape_time(self, rows: int, width: float) -> float:
-        """Milliseconds for a forward of `rows` rows padded to `width` tokens each: linear in width at each profiled
-        batch size, then linear in rows between them (proportional beyond the largest, like step_time)."""
+    @cached_property
+    def _width_curves(self) -> dict[int, tuple[float, float]]:
+        """Per profiled batch size, the forward's time against tokens per row as a line, ms = a + b·(width - 1),
+        fitted by least squares (b >= 0). Single timings are noisy on a shared CPU (a point 40 % high was seen)
+        and the schedulers decide on differences between widths, which a line keeps sane."""
         by_rows: dict[int, list[tuple[int, float]]] = {}
         for g in self.meta["grid"]:
             by_rows.setdefault(int(g["batch_size"]), []).append((int(g["tokens_per_row"]), float(g["ms"])))
-        sizes = sorted(by_rows)
+        return {size: fit_line(points) for size, points in by_rows.items()}
+
+    @cached_property
+    def _draft_curve(self) -> CostTable | None:
+        points = [(int(d["batch_size"]), float(d["ms"])) for d in self.meta.get("draft", [])]
+        return CostTable([b for b, _ in points], [ms for _, ms in points]) if points else None
+
+    def shape_time(self, rows: int, width: float) -> float:
+        """Milliseconds for a forward of `rows` rows carrying `width` tokens each: the fitted line in width at each
+        profiled batch size, then linear in rows between them (proportional beyond the largest, like step_time)."""
+        curves = self._width_curves
+        sizes = sorted(curves)
 
         def at(size: int) -> float:
-            points = sorted(by_rows[size])
-            return CostTable([w for w, _ in points], [ms for _, ms in points]).step_time(width)
+            a, b = curves[size]
+            return a + b * (width - 1)
 
         if rows <= sizes[0]:
             return at(sizes[0])
@@ -78,18 +92,18 @@ class CostTable:
 
     def draft_time(self, rows: int) -> float:
         """Milliseconds of the drafter's share of a round of `rows` rows (0 where no drafter was profiled)."""
-        points = sorted((int(d["batch_size"]), float(d["ms"])) for d in self.meta.get("draft", []))
-        return CostTable([b for b, _ in points], [ms for _, ms in points]).step_time(rows) if points else 0.0
+        return self._draft_curve.step_time(rows) if self._draft_curve is not None else 0.0
 
-    def round_time(self, rows: int, width: float) -> float:
+    def round_time(self, rows: int, width: float, drafted: bool = True) -> float:
         """Milliseconds of a round of `rows` rows verifying `width` tokens per row (fractional: a ragged batch's
-        mean), drafting included: from the batch's shape where the grid knows shapes, else the total-token curve."""
+        mean), drafting included unless the round does not draft: from the batch's shape where the grid knows
+        shapes, else the total-token curve."""
         verify = self.shape_time(rows, width) if self.has_shapes else self.step_time(rows * width)
-        return verify + self.draft_time(rows)
+        return verify + (self.draft_time(rows) if drafted else 0.0)
 
-    def rate(self, rows: int, width: float) -> float:
+    def rate(self, rows: int, width: float, drafted: bool = True) -> float:
         """Rounds per second of `rows` rows verifying `width` tokens per row."""
-        return 1000.0 / self.round_time(rows, width)
+        return 1000.0 / self.round_time(rows, width, drafted)
 
     def save(self, path: str | Path) -> None:
         atomic_write_json(path, {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta})
@@ -101,6 +115,16 @@ class CostTable:
             raise DSparkError(f"{path} is not a cost table (needs token_counts and step_time_ms)")
         meta = {k: v for k, v in data.items() if k not in ("token_counts", "step_time_ms")}
         return cls(data["token_counts"], data["step_time_ms"], meta)
+
+
+def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares a, b of ms = a + b·(x - 1) through (x, ms) points, with b >= 0 (a forward never gets cheaper
+    with more tokens); one point gives a flat line."""
+    n = len(points)
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    spread = sum((x - mx) ** 2 for x, _ in points)
+    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / spread) if spread else 0.0
+    return my - slope * (mx - 1), slope
 
 
 def batch_sizes_up_to(rows: int) -> tuple[int, ...]:
@@ -159,7 +183,8 @@ def profile_target(
                 drafter.propose(dcache, ids[:, context], SamplingParams())
                 drafter.extend_context(dcache, out.features[:, -2:], two, ids[:, context - 1 : context + 1])
 
-            draft.append({"batch_size": batch, "ms": median_ms(round_share, repeats)})
+            # Cheap beside the verify grid, and noisier: more repeats.
+            draft.append({"batch_size": batch, "ms": median_ms(round_share, 3 * repeats)})
     totals = sorted(by_total)
     meta = {
         "dtype": str(target.dtype).replace("torch.", ""),

@@ -20,6 +20,11 @@ class ServerMetrics:
         self.prompt_tokens = Counter("dspark_prompt_tokens", "prompt tokens read", registry=r)
         self.generated_tokens = Counter("dspark_generated_tokens", "tokens generated", registry=r)
         self.rounds = Counter("dspark_rounds", "decoding rounds, summed over requests", registry=r)
+        self.drafted_rounds = Counter(
+            "dspark_drafted_rounds",
+            "rounds in which the drafter proposed (the rest verified the anchor alone)",
+            registry=r,
+        )
         self.verified = Counter("dspark_verified_draft_tokens", "draft tokens sent to verification", registry=r)
         self.accepted = Counter("dspark_accepted_draft_tokens", "draft tokens accepted", registry=r)
         self.tau = Gauge(
@@ -80,6 +85,7 @@ class ServerMetrics:
     def record_stats(self, stats: SpecStats) -> None:
         self._stats = self._stats.merge(stats)
         self.rounds.inc(stats.rounds)
+        self.drafted_rounds.inc(stats.drafted_rounds)
         self.verified.inc(stats.verified_tokens)
         self.accepted.inc(stats.tokens - stats.rounds)
         s = self._stats
