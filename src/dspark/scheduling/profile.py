@@ -60,7 +60,7 @@ class CostTable:
     @cached_property
     def _width_curves(self) -> dict[int, tuple[float, float]]:
         """Per profiled batch size, the forward's time against tokens per row as a line, ms = a + b·(width - 1),
-        fitted by least squares (b >= 0). Single timings are noisy on a shared CPU (a point 40 % high was seen)
+        fitted by least squares (b >= 0). Single timings are noisy on a shared CPU (a point 37 % high was seen)
         and the schedulers decide on differences between widths, which a line keeps sane."""
         by_rows: dict[int, list[tuple[int, float]]] = {}
         for g in self.meta["grid"]:
