@@ -93,7 +93,7 @@ def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
 
 def test_a_scheduler_skips_drafting_where_it_does_not_pay():
     """Drafting costs little beside one row's forward and much beside sixteen rows' (as on a CPU): with drafts that
-    survive half the time, one row drafts and sixteen verify their anchors alone, drafting once every probe_every
+    survive 70 % of the time, one row drafts and sixteen verify their anchors alone, drafting once every probe_every
     rounds to renew the estimate."""
     grid = [{"batch_size": b, "tokens_per_row": w, "ms": 10.0 * b + 1.0 * b * (w - 1)} for b in (1, 16) for w in (1, 4)]
     draft = [{"batch_size": 1, "ms": 2.0}, {"batch_size": 16, "ms": 300.0}]
