@@ -14,7 +14,7 @@ from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
 from dspark.scheduling.planner import PrefixScheduler
-from dspark.scheduling.profile import CostTable, fit_line, profile_target
+from dspark.scheduling.profile import CostTable, fit_line, interleaved_median_ms, profile_target
 
 APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
 
@@ -195,6 +195,13 @@ def test_sts_fixes_overconfidence():
 def test_profile_measures_a_real_forward():
     table = profile_target(tiny_target(), token_counts=(1, 4), context=16, repeats=2)
     assert table.token_counts == [1, 4] and all(t > 0 for t in table.step_time_ms)
+
+
+def test_profiling_interleaves_what_it_times():
+    """Each pass times every run once, in turn, so load from elsewhere falls on all of them alike."""
+    calls: list[str] = []
+    medians = interleaved_median_ms({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3)
+    assert calls == ["a", "b"] * 4 and set(medians) == {"a", "b"}  # one warm-up pass, then 3 timed
 
 
 def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run, tmp_path):

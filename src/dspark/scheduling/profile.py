@@ -132,14 +132,18 @@ def batch_sizes_up_to(rows: int) -> tuple[int, ...]:
     return tuple(sorted({min(n, rows) for n in (1, 2, 4, 8, 16, 32, 64)}))
 
 
-def median_ms(run, repeats: int) -> float:
-    """Median wall time of `run()` over `repeats` calls after one warm-up, in milliseconds."""
-    samples = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        run()
-        samples.append(time.perf_counter() - start)
-    return round(1000 * sorted(samples[1:])[len(samples[1:]) // 2], 3)
+def interleaved_median_ms(runs: dict, repeats: int) -> dict:
+    """Median wall time of each of `runs` ({key: callable}) in milliseconds, over `repeats` passes that call each
+    once in turn, after one warm-up pass. Interleaved, a stretch of load from elsewhere slows every measurement
+    alike instead of one of them: the schedulers decide on their differences."""
+    samples: dict = {key: [] for key in runs}
+    for attempt in range(repeats + 1):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if attempt:
+                samples[key].append(time.perf_counter() - start)
+    return {key: round(1000 * sorted(times)[len(times) // 2], 3) for key, times in samples.items()}
 
 
 @torch.no_grad()
@@ -163,15 +167,14 @@ def profile_target(
         cache = target.new_cache(batch)
         ids = torch.randint(0, min(target.vocab_size, 5000), (batch, context + max(token_counts)), device=target.device)
         out = target.forward(cache, ids[:, :context], logits="last", features=layer_ids)
+        runs: dict = {}
         for n in token_counts:
 
             def verify(n=n):
                 target.forward(cache, ids[:, context : context + n], features=layer_ids)
                 cache.rollback(cache.lengths - n)
 
-            ms = median_ms(verify, repeats)
-            grid.append({"batch_size": batch, "tokens_per_row": n, "ms": ms})
-            by_total.setdefault(batch * n, []).append(ms)
+            runs[n] = verify
         if drafter is not None:
             # A round's drafting: propose γ tokens, then read two accepted tokens' features (the context grows by
             # two per repeat, as in decoding).
@@ -183,8 +186,13 @@ def profile_target(
                 drafter.propose(dcache, ids[:, context], SamplingParams())
                 drafter.extend_context(dcache, out.features[:, -2:], two, ids[:, context - 1 : context + 1])
 
-            # Cheap beside the verify grid, and noisier: more repeats.
-            draft.append({"batch_size": batch, "ms": median_ms(round_share, 3 * repeats)})
+            runs["draft"] = round_share
+        measured = interleaved_median_ms(runs, repeats)
+        for n in token_counts:
+            grid.append({"batch_size": batch, "tokens_per_row": n, "ms": measured[n]})
+            by_total.setdefault(batch * n, []).append(measured[n])
+        if drafter is not None:
+            draft.append({"batch_size": batch, "ms": measured["draft"]})
     totals = sorted(by_total)
     meta = {
         "dtype": str(target.dtype).replace("torch.", ""),
