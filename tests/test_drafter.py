@@ -156,6 +156,38 @@ def test_checkpoint_round_trip_is_bit_exact(target, tmp_path):
     assert not list(tmp_path.glob("*.pt")) and not list((tmp_path / "d").glob("*.bin"))
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(tmp_path):
+    """load_drafter gives the drafter the target's product form: with packed bfloat16 weights its proposals keep to
+    the unpacked drafter's (the same distributions up to bfloat16 rounding), its checkpoint is unchanged, and
+    unpacking restores the very same products."""
+    from dspark.decoder import PackedLinear, packing_available
+
+    target = tiny_target(hidden=64, dtype=torch.bfloat16)
+    if not packing_available(target.lm_head.weight):
+        pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")
+    tiny_drafter(target, draft_vocab_size=40).save(tmp_path / "d", target.identity())
+    drafter = load_drafter(tmp_path / "d", target.use_packed_weights(True))
+    assert sum(isinstance(m, PackedLinear) for m in drafter.modules()) >= 8  # fc, q/k/v/o, gate/up/down, heads
+    saved = load_drafter(tmp_path / "d", target.use_packed_weights(False))
+    assert drafter.state_dict().keys() == saved.state_dict().keys()
+    features = torch.randn(1, 12, drafter.fc.in_features, dtype=torch.bfloat16)
+    anchor = torch.tensor([5])
+    proposals = []
+    for packed in (True, False):
+        drafter.use_packed_weights(packed)
+        cache = drafter.new_cache(1)
+        drafter.extend_context(cache, features, torch.tensor([12]))
+        params = SamplingParams(temperature=1.0, seed=0)
+        proposals.append(drafter.propose(cache, anchor, params, params.generators(1)))
+    torch.testing.assert_close(proposals[0].probs, proposals[1].probs, rtol=0.05, atol=0.02)
+    assert not any(isinstance(m, PackedLinear) for m in drafter.modules())
+    cache = saved.new_cache(1)
+    saved.extend_context(cache, features, torch.tensor([12]))
+    params = SamplingParams(temperature=1.0, seed=0)
+    assert torch.equal(saved.propose(cache, anchor, params, params.generators(1)).probs, proposals[1].probs)
+
+
 def test_checkpoint_for_another_target_is_refused(target, tmp_path):
     tiny_drafter(target).save(tmp_path / "d", target.identity())
     other = tiny_target(vocab_size=101)

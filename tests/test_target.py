@@ -259,6 +259,49 @@ def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_mea
     assert isinstance(choose_product_forms(target).head_weight, PackedWeight)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_column_split_product_is_the_sum_of_its_blocks_whatever_rows_share_it(packed):
+    """decoder.KSplitWeight: one product of the stacked blocks gives, for every row, the float32 sum of its
+    block-by-block products rounded once, and a row's result does not depend on the rows beside it."""
+    from dspark.decoder import MAX_INVARIANT_K, KSplitWeight, linear
+
+    torch.manual_seed(0)
+    w = (0.05 * torch.randn(96, 2 * MAX_INVARIANT_K)).bfloat16()
+    split = KSplitWeight(w, packed)
+    assert split.splits == 2
+    x = torch.randn(16, 2 * MAX_INVARIANT_K).bfloat16()
+    blocks = [linear(x[:, i : i + MAX_INVARIANT_K], w[:, i : i + MAX_INVARIANT_K]) for i in (0, MAX_INVARIANT_K)]
+    every = linear(x, split)
+    assert torch.equal(every, (blocks[0].float() + blocks[1].float()).bfloat16())
+    for rows in (1, 2, 3, 8):
+        assert torch.equal(linear(x[:rows], split), every[:rows])
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_a_packed_linear_keeps_the_layer_and_multiplies_what_the_weight_holds_now():
+    """decoder.PackedLinear: the same parameters (state dict unchanged), a product close to F.linear's, F.linear
+    itself once the weight changed after packing or where a gradient is wanted, and the nn.Linear back."""
+    from dspark.decoder import PackedLinear, PackedWeight, packing_available
+
+    layer = torch.nn.Linear(64, 96).bfloat16()
+    if not packing_available(layer.weight):
+        pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")
+    packed = PackedLinear(layer)
+    assert packed.state_dict().keys() == layer.state_dict().keys() and packed.weight is layer.weight
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(packed(x), layer(x), rtol=1e-2, atol=1e-2)
+        packed.form = PackedWeight(torch.zeros_like(layer.weight))  # what the packed form is used for is visible
+        assert not packed(x).equal(layer(x))
+        layer.weight.add_(1.0)  # changed in place (an optimizer step): the packed copy is stale
+        assert torch.equal(packed(x), layer(x))
+    packed.packed_from = (layer.weight.data_ptr(), layer.weight._version)
+    assert torch.equal(packed(x), layer(x))  # gradients wanted: the plain product
+    plain = packed.plain()
+    assert type(plain) is torch.nn.Linear and plain.weight is layer.weight and plain.bias is layer.bias
+
+
 def test_folded_and_causal_attention_equal_grouped_attention_under_the_mask():
     """The CUDA forms (query heads folded into the query length; causal with no mask) compute what enable_gqa with
     the explicit mask computes; here on the CPU, forced."""

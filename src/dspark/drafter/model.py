@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.decoder import GEMMA_FAMILIES
+from dspark.decoder import GEMMA_FAMILIES, PackedLinear, PackedWeight, linear, packing_available
 from dspark.drafter.backbone import backbone_layout, check_layer_layout, context_kv, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
@@ -116,6 +116,7 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self._lm_slice = None
+        self._packed_lm: PackedWeight | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -266,7 +267,27 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
-        return (h @ self.lm_weight(h.dtype).T).float()
+        weight = self.lm_weight(h.dtype)
+        if self._packed_lm is None or torch.is_grad_enabled():
+            return (h @ weight.T).float()
+        if self._packed_lm.dense is not weight:  # the draft vocabulary or the dtype changed since packing
+            self._packed_lm = PackedWeight(weight)
+        return linear(h, self._packed_lm).float()
+
+    def use_packed_weights(self, packed: bool) -> DSparkDrafter:
+        """For inference: every matrix a proposal multiplies by in oneDNN's packed form (decoder.PackedLinear), as
+        the target's (`Target.use_packed_weights`), or back. Parameters and checkpoints are unchanged. Drafts need
+        not be bitwise the same in either form: verification decides what is emitted (1 row, 2-core EPYC: propose
+        4.2 -> 3.4 ms)."""
+        packed = packed and packing_available(self.fc.weight)
+        for module in list(self.modules()):
+            for name, child in module.named_children():
+                if packed and type(child) is nn.Linear:
+                    setattr(module, name, PackedLinear(child))
+                elif not packed and isinstance(child, PackedLinear):
+                    setattr(module, name, child.plain())
+        self._packed_lm = PackedWeight(self.lm_weight(self.fc.weight.dtype)) if packed else None
+        return self
 
     def confidence_logits(self, h, prev_ids) -> torch.Tensor | None:
         if self.confidence_head is None:

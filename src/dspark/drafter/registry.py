@@ -152,7 +152,7 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
                 f"saved with {field}={json.loads(saved)!r}; restore the config.json that came with them"
             )
     load_checked_state(drafter, state, f"{path}: model.safetensors")
-    return drafter.to(target.dtype)
+    return drafter.to(target.dtype).use_packed_weights(bool(target.decoder.packed))  # the target's product form
 
 
 def load_checked_state(drafter, state: dict, where: str) -> None:
