@@ -92,3 +92,20 @@ def test_folder_without_weights_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(DSparkError, match="cannot load"):
         Target.load(str(tmp_path))
+
+
+def test_machine_measurements_are_kept_per_revision_of_the_code(tmp_path, monkeypatch):
+    """A cost table or product-form choice timed on one revision of dspark is not read by another: the file name
+    carries a hash of the package's source files, which any change to one of them moves."""
+    from dspark.models import code_revision, machine_cache_file
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    assert code_revision() in machine_cache_file("costs", "model", "bfloat16").name
+    package = tmp_path / "package"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("x = 1\n")
+    (package / "sub" / "b.py").write_text("y = 2\n")
+    first = code_revision(package)
+    (package / "sub" / "b.py").write_text("y = 3\n")
+    code_revision.cache_clear()
+    assert code_revision(package) != first

@@ -6,6 +6,7 @@ A target is either a registered name (resolved without any network access) or a 
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -54,12 +55,24 @@ def cache_dir() -> Path:
 
 
 def machine_cache_file(kind: str, *key: str) -> Path:
-    """Where a measurement of this machine is kept: per kind, key (target, precision ...), thread count and host."""
+    """Where a measurement of this machine is kept: per kind, key (target, precision ...), revision of dspark's
+    code, thread count and host."""
     import platform
 
     import torch
 
-    return cache_dir() / kind / f"{cache_key(*key)}-t{torch.get_num_threads()}-{platform.node()}.json"
+    name = f"{cache_key(*key)}-{code_revision()}-t{torch.get_num_threads()}-{platform.node()}.json"
+    return cache_dir() / kind / name
+
+
+@functools.cache
+def code_revision(package: Path = Path(__file__).parent) -> str:
+    """A short hash of dspark's source files: timings are kept per revision of the code that was timed, so after an
+    upgrade or an engine change the schedulers do not plan with the old engine's costs (it is measured again)."""
+    digest = hashlib.sha1()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0" + path.read_bytes())
+    return "r" + digest.hexdigest()[:8]
 
 
 def cache_key(*key: str) -> str:
