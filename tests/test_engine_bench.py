@@ -9,10 +9,18 @@ import torch
 from conftest import tiny_drafter, tiny_target
 
 
-def test_profile_measures_every_batch_shape():
+def test_profile_measures_every_batch_shape_on_rows_of_different_lengths(monkeypatch):
+    """Every batch shape is timed, on rows of different context lengths as continuous batching makes them (rows
+    of one length attend in one call and cost less)."""
+    from dspark.kvcache import KVCache
     from dspark.scheduling.profile import profile_target
 
+    lengths = []
+    advance = KVCache.advance
+    monkeypatch.setattr(KVCache, "advance", lambda self, num_new: (lengths.append(num_new), advance(self, num_new)))
     table = profile_target(tiny_target(), token_counts=(1, 2, 4), context=16, repeats=1, batch_sizes=(1, 2))
+    prefills = [n.tolist() for n in lengths if int(n.max()) > 4]
+    assert prefills == [[16], [16, 11]]
     assert table.token_counts == [1, 2, 4, 8]  # totals: 1x1, 1x2 = 2x1, 1x4 = 2x2, 2x4
     shapes = {(g["batch_size"], g["tokens_per_row"]) for g in table.meta["grid"]}
     assert shapes == {(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)}
