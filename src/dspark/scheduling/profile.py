@@ -157,9 +157,9 @@ def profile_target(
 ) -> CostTable:
     """Median time of the engine's verify forward (logits and drafter features) over n new tokens per row on a cache
     of rows up to `context` tokens long, of different lengths as in serving (rolled back after each), for each
-    batch size; with a drafter, also its share of a round
-    at each batch size. The table is indexed by the tokens a forward carries in total (batch x tokens per row);
-    every measurement is kept in meta["grid"] (and meta["draft"])."""
+    batch size; with a drafter, also its share of a round at each batch size. The table is indexed by the tokens a
+    forward carries in total (batch x tokens per row); every measurement is kept in meta["grid"] (and
+    meta["draft"])."""
     from dspark.sampling import SamplingParams
 
     grid, by_total, draft = [], {}, []
