@@ -29,7 +29,7 @@ def test_generate_json(real_target):
     assert out["new_tokens"] == 8 and out["text"] and out["tokens_per_s"] > 0 and len(out["token_ids"]) == 8
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter, dtype):
     proc = dspark(
         "generate",

@@ -169,6 +169,8 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
     tiny_drafter(target, draft_vocab_size=40).save(tmp_path / "d", target.identity())
     drafter = load_drafter(tmp_path / "d", target.use_packed_weights(True))
     assert sum(isinstance(m, PackedLinear) for m in drafter.modules()) >= 8  # fc, q/k/v/o, gate/up/down, heads
+    for_int8 = load_drafter(tmp_path / "d", tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int8"))
+    assert sum(isinstance(m, PackedLinear) for m in for_int8.modules()) >= 8  # an int8 target's drafter is bfloat16
     saved = load_drafter(tmp_path / "d", target.use_packed_weights(False))
     assert drafter.state_dict().keys() == saved.state_dict().keys()
     features = torch.randn(1, 12, drafter.fc.in_features, dtype=torch.bfloat16)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
@@ -27,15 +28,33 @@ def test_profile_measures_every_batch_shape_on_rows_of_different_lengths(monkeyp
     assert all(g["ms"] > 0 for g in table.meta["grid"])
 
 
-def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path):
+def on_the_4bit_grid(target):
+    """The target with every layer matrix as a Q4_1 file dequantizes to: 16 levels from min to max per 32 columns."""
+    for name, param in target.model.named_parameters():
+        if param.ndim == 2 and "embed" not in name and "lm_head" not in name:
+            groups = param.data.float().view(param.shape[0], -1, 32)
+            low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+            step = (high - low) / 15
+            param.data.copy_((torch.round((groups - low) / step) * step + low).view_as(param))
+    return target
+
+
+@pytest.mark.parametrize("weights", ["float", "from a 4-bit file"])
+def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, weights):
+    """Without native bfloat16, float32 unmeasured; with it, the cheapest of the precisions that keep the model's
+    weights: int4 is a candidate only for weights that already sit on its grid, int8 never."""
     from dspark import autotune as precision
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     loads = []
 
-    def load(dtype):
-        loads.append(dtype)
-        return tiny_target(dtype=getattr(torch, dtype))
+    def load(precision):
+        loads.append(precision)
+        dtype = torch.float32 if precision == "float32" else torch.bfloat16
+        target = tiny_target(hidden=64, dtype=dtype)
+        if weights != "float":
+            target = on_the_4bit_grid(target)
+        return target.quantize(precision) if precision in ("int8", "int4") else target
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "fma"})
     choice = precision.choose_precision("tiny", load)
@@ -43,10 +62,14 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path):
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
     choice = precision.choose_precision("tiny", load)
-    assert loads == ["float32", "bfloat16"] and set(choice.step_ms) == {"float32", "bfloat16"}
+    assert loads == ["float32", "bfloat16", "int4"]
+    if weights == "float":
+        assert set(choice.step_ms) == {"float32", "bfloat16"} and "int4 left out" in choice.reason
+    else:
+        assert set(choice.step_ms) == {"float32", "bfloat16", "int4"} and "left out" not in choice.reason
     faster = min(choice.step_ms, key=lambda d: choice.step_ms[d]["1"] + choice.step_ms[d]["8"])
     assert choice.dtype == faster and "amx_bf16" in choice.reason
-    assert precision.choose_precision("tiny", load) == choice and len(loads) == 2  # cached per machine
+    assert precision.choose_precision("tiny", load) == choice and len(loads) == 3  # cached per machine
 
 
 def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
@@ -88,21 +111,74 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     assert engine_plot(run, tmp_path / "engine.png").stat().st_size > 1000
 
 
-def test_int8_target_is_close_to_float_and_speculation_stays_exact():
-    """Weight-only int8: logits near the float model's; plain and speculative decoding of the quantized target agree
-    token for token (they share it), under a noisy oracle that gets most drafts accepted."""
+def test_int4_weights_recover_a_q4_1_grid_exactly():
+    """Weights that are a step and a minimum per group of 32 times 16 levels (what a Q4_1 file dequantizes to) come
+    back exactly: multiplying the identity by them returns every weight."""
+    from dspark.decoder import Int4Weight, linear
+
+    torch.manual_seed(0)
+    levels = torch.randint(0, 16, (48, 64)).float()
+    levels[:, ::32], levels[:, 1::32] = 0, 15  # every group spans its whole grid, as Q4_1's quantizer makes it
+    step = torch.tensor([2.0**-k for k in range(4, 10)]).repeat(16)[:96].view(48, 2)  # bfloat16-exact
+    low = -8 * step
+    weight = levels * step.repeat_interleave(32, 1) + low.repeat_interleave(32, 1)
+    product = linear(torch.eye(64, dtype=torch.bfloat16), Int4Weight(weight))
+    assert torch.equal(product.float(), weight.T)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
+    """Weight-only int8 and int4: logits near the float model's; plain and speculative decoding of the quantized
+    target agree token for token (they share it), under a noisy oracle that gets most drafts accepted."""
     from conftest import NoisyOracle
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
 
-    exact, quantized = tiny_target(eos=7), tiny_target(eos=7).quantize_int8()
+    exact = tiny_target(eos=7, hidden=64)
+    quantized = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16).quantize(kind)
+    assert quantized.precision == kind
     ids = torch.randint(0, 90, (2, 12))
     a, b = exact.forward_sequences(ids).logits, quantized.forward_sequences(ids).logits
-    assert not torch.equal(a, b) and (a - b).abs().max() < 0.05 * a.abs().max()
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+    tolerance = 0.05 if kind == "int8" else 0.25  # 16 levels a group of random weights: coarse, but near
+    assert not torch.equal(a, b) and (a - b).abs().max() < tolerance * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
     prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
     expected = [r.token_ids for r in generate_plain(quantized, prompts, 30)]
     engine = SpeculativeEngine(quantized, NoisyOracle(quantized, prompts, block_size=4, noise=0.2))
     results = engine.generate(prompts, 30)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.tokens - r.stats.rounds for r in results) > 20
+
+
+def test_closeness_counts_agreement_kl_and_likelihood():
+    from dspark.bench.quality import closeness
+
+    reference = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 3.0, 0.0]]), -1)
+    other = torch.log_softmax(torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]]), -1)
+    same = closeness(reference, reference, [0, 1])
+    assert same["agree"] == 2 and abs(same["kl"]) < 1e-6
+    assert abs(same["nll"] + float(reference[0, 0] + reference[1, 1])) < 1e-5
+    apart = closeness(reference, other, [0, 1])
+    expected_kl = float((reference[1].exp() * (reference[1] - other[1])).sum())
+    assert apart["agree"] == 1 and abs(apart["kl"] - expected_kl) < 1e-5
+
+
+def test_quality_bench_reads_each_precision_against_float32(tiny_run, tmp_path):
+    from dspark.bench.quality import overall, run_quality_bench
+    from dspark.bench.report import quality_plot, quality_section
+    from dspark.bench.run import machine_info
+
+    folder, _ = tiny_run
+    evalset = tmp_path / "evalset.jsonl"
+    evalset.write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("t5 t9 t30", "t7 t7 t2 t40")))
+    run = run_quality_bench(str(folder), ["int8"], [str(evalset)], 2, 12, llama_cpp=True, progress=lambda _: None)
+    assert run["llama_cpp"] is None  # a local folder ships no GGUF
+    exact, quantized = overall(run)
+    assert exact["precision"] == "float32" and exact["tokens"] > 10
+    assert exact["top1_agreement"] == 1.0 and exact["kl"] == 0.0 and exact["identical"] == exact["prompts"] == 2
+    assert quantized["precision"] == "int8" and quantized["tokens"] == exact["tokens"] and quantized["kl"] > 0
+    assert quantized["perplexity"] != exact["perplexity"]
+    run.update(machine=machine_info(), when="now")
+    text = quality_section(run, "dspark bench quality", "quality.png")
+    assert "| float32 |" in text and "| int8 |" in text and "100.0% (2/2)" in text
+    assert quality_plot(run, tmp_path / "quality.png").stat().st_size > 1000

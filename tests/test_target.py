@@ -366,12 +366,13 @@ def test_a_bfloat16_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch():
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16-packed", "int8"])
+@pytest.mark.parametrize("precision", ["bfloat16", "bfloat16-packed", "int8", "int4"])
 def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
     from dspark.decoder import packing_available
     from dspark.target import Target
 
-    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int8" if precision == "int8" else None)
+    quantize = precision if precision in ("int8", "int4") else None
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize=quantize)
     if precision.endswith("packed"):
         if not packing_available(target.lm_head.weight):
             pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")

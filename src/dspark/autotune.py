@@ -24,7 +24,7 @@ from dspark.decoder import packing_available
 from dspark.fsutil import atomic_write_json
 from dspark.models import machine_cache_file, machine_cache_files
 from dspark.scheduling.profile import CostTable, profile_target
-from dspark.target import Target
+from dspark.target import Target, load_precision
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
@@ -66,7 +66,11 @@ def native_bf16_flags() -> list[str]:
 
 
 def choose_precision(model: str, load) -> PrecisionChoice:
-    """The precision for `model` on this machine; `load(dtype)` returns a Target (only called when measuring)."""
+    """The precision for `model` on this machine; `load(precision)` returns a Target (only called when measuring).
+    With native bfloat16, the precision whose 1-token step plus 8-token verify is cheapest here among those that
+    keep the model's weights (Target.keeps_weights): float32, bfloat16, and int4 where the weights come from a
+    4-bit file of its layout. int8 and int4 that would round the weights change the model; they are run only when
+    asked for (`dspark bench quality` measures how far each precision stays from float32)."""
     native = native_bf16_flags()
     if not native:
         return PrecisionChoice(
@@ -75,17 +79,20 @@ def choose_precision(model: str, load) -> PrecisionChoice:
     path = machine_cache_file("precision", model)
     if path.exists():
         return PrecisionChoice(**json.loads(path.read_text()))
-    times = {}
-    for dtype in ("float32", "bfloat16"):
-        table = profile_target(load(dtype), token_counts=(1, 8), context=128, repeats=5)
-        times[dtype] = {str(n): ms for n, ms in zip(table.token_counts, table.step_time_ms)}
-    cost = {dtype: t["1"] + t["8"] for dtype, t in times.items()}
+    targets = {precision: load(precision) for precision in ("float32", "bfloat16", "int4")}
+    rounded = [precision for precision, target in targets.items() if not target.keeps_weights]
+    times = {precision: {"1": float("inf"), "8": float("inf")} for precision in targets if precision not in rounded}
+    for _ in range(3):  # interleaved, the best of each kept: load from elsewhere slows all alike (the choice is cached)
+        for precision in times:
+            table = profile_target(targets[precision], token_counts=(1, 8), context=128, repeats=3)
+            for n, ms in zip(table.token_counts, table.step_time_ms):
+                times[precision][str(n)] = min(times[precision][str(n)], ms)
+    cost = {precision: t["1"] + t["8"] for precision, t in times.items()}
     dtype = min(cost, key=cost.get)
-    bf, fp = times["bfloat16"], times["float32"]
-    reason = (
-        f"this CPU has {'/'.join(native)}; measured here, a 1-token step took {bf['1']:.1f} ms in bfloat16 vs "
-        f"{fp['1']:.1f} ms in float32, an 8-token verify {bf['8']:.1f} vs {fp['8']:.1f} ms"
-    )
+    steps = ", ".join(f"{p} {t['1']:.1f} + {t['8']:.1f} ms" for p, t in times.items())
+    reason = f"this CPU has {'/'.join(native)}; measured here, a 1-token step plus an 8-token verify took {steps}"
+    if rounded:
+        reason += f" ({', '.join(rounded)} left out: it would round this model's weights; --dtype asks for it)"
     choice = PrecisionChoice(dtype, reason, times)
     atomic_write_json(path, asdict(choice))
     return choice
@@ -165,7 +172,7 @@ def cached_cost_table(
     form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
     rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
     drafting = [] if drafter is None else ["draft" + drafter_shape_key(drafter)]
-    path = machine_cache_file("costs", target.name, str(target.dtype).replace("torch.", ""), form, *rows, *drafting)
+    path = machine_cache_file("costs", target.name, target.precision, form, *rows, *drafting)
     if path.exists():
         return CostTable.load(path)
     table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes, drafter=drafter)
@@ -200,7 +207,7 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
     def load(dtype: str) -> Target:
         if dtype not in loaded:
             progress(f"dspark: timing {model} in {dtype}")
-            loaded[dtype] = tune(Target.load(model, dtype=dtype))
+            loaded[dtype] = tune(load_precision(model, dtype))
         return loaded[dtype]
 
     choice = choose_precision(model, load)

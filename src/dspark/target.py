@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
-from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear, real_positions
+from dspark.decoder import Int8Weight, LeanDecoder, PackedWeight, linear, packing_available, real_positions
 from dspark.errors import DSparkError
 from dspark.kvcache import KVCache
 
@@ -117,6 +117,12 @@ class TargetOutput:
     last_hidden: torch.Tensor | None  # [B, n, d] final normed hidden state
 
 
+# Precisions a target runs in. int8 and int4 are weight-only (int8: per-channel scales; int4: a step and minimum
+# per group of 32 columns) with bfloat16 activations.
+PRECISIONS = ("float32", "bfloat16", "int8", "int4")
+QUANTIZED = ("int8", "int4")
+
+
 class Target:
     def __init__(self, model, tokenizer, name: str, layer_ids: list[int] | None = None):
         self.model = model.eval()
@@ -124,7 +130,9 @@ class Target:
         self.name = name
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
-        self.head_weight = self.lm_head.weight  # or its Int8Weight after quantize_int8()
+        self.head_weight = self.lm_head.weight  # or its packed or int8 form
+        self.quantization: str | None = None  # "int8" / "int4" after quantize()
+        self.quantization_error = 0.0  # the largest relative change quantizing made to a weight (Int4Weight.error)
         self.decoder = LeanDecoder(self.model)
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
@@ -163,11 +171,9 @@ class Target:
         finally:
             hf_logging.enable_progress_bar()
         target = cls(model.to(device), tokenizer, name=name_or_path, layer_ids=layer_ids)
-        if quantize not in (None, "none", "int8"):
-            raise DSparkError(f"unknown quantization '{quantize}'; use int8 (weight-only) or none")
-        if quantize == "int8":
-            return target.quantize_int8()
-        return target
+        if quantize not in (None, "none", *QUANTIZED):
+            raise DSparkError(f"unknown quantization '{quantize}'; use {' or '.join(QUANTIZED)} (weight-only) or none")
+        return target.quantize(quantize) if quantize in QUANTIZED else target
 
     def validate_layer_ids(self, layer_ids: list[int]) -> None:
         for i in layer_ids:
@@ -277,13 +283,34 @@ class Target:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.head_weight, Int8Weight)
+        return self.quantization is not None
 
-    def quantize_int8(self) -> Target:
-        """Weight-only int8 (per-channel scales) for every matrix the decode step streams, LM head included. Plain
-        and speculative decoding both run this quantized target, so they still agree token for token."""
-        self.decoder.quantize_int8()
-        self.head_weight = Int8Weight(self.lm_head.weight.data)
+    @property
+    def keeps_weights(self) -> bool:
+        """Whether every weight is where bfloat16 would have put it, within a few of its steps: true of float32 and
+        bfloat16, and of int4 for a model whose weights come from a 4-bit file of the same layout (the shipped
+        target's), which loses nothing more to it than to bfloat16."""
+        return self.quantization_error <= 2**-6
+
+    @property
+    def precision(self) -> str:
+        """Which of PRECISIONS this target runs in."""
+        return self.quantization or str(self.dtype).removeprefix("torch.")
+
+    def quantize(self, kind: str) -> Target:
+        """Weight-only int8 or int4 for every matrix of the layers. The LM head is int8 in int8; in int4 it stays in
+        the activations' precision (packed where oneDNN runs it): it is the tied embedding, which 4-bit files keep
+        at 8 bits too. Plain and speculative decoding both run this quantized target, so they still agree token for
+        token."""
+        if self.device.type != "cpu":
+            raise DSparkError(f"{kind} runs on CPUs only (PyTorch's CPU kernels); on a GPU use bfloat16")
+        self.quantization_error = self.decoder.quantize(8 if kind == "int8" else 4)
+        head = self.lm_head.weight.data
+        if kind == "int8":
+            self.head_weight = Int8Weight(head)
+        else:
+            self.head_weight = PackedWeight(head) if packing_available(head) else head
+        self.quantization = kind
         return self
 
     @torch.no_grad()
@@ -327,3 +354,10 @@ class Target:
     def forward_sequences(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, **want) -> TargetOutput:
         """One cache-free pass over whole (right-padded) sequences: what training and regeneration need."""
         return self.forward(self.new_cache(input_ids.shape[0], input_ids.shape[1]), input_ids, lengths, **want)
+
+
+def load_precision(name_or_path: str, precision: str, **kwargs) -> Target:
+    """The target in one of PRECISIONS."""
+    if precision in QUANTIZED:
+        return Target.load(name_or_path, dtype="bfloat16", quantize=precision, **kwargs)
+    return Target.load(name_or_path, dtype=precision, **kwargs)

@@ -2,11 +2,11 @@
 
 Side by side in one run, per precision: milliseconds per forward of n = 1..16 new tokens on a cached context for
 our decoder, the Hugging Face model it replaces, and llama.cpp running the GGUF file the model package ships (when
-llama-cpp-python is installed; that file is 4-bit, so it streams fewer bytes than either torch precision); the
+llama-cpp-python is installed; that file is 4-bit, so it streams fewer bytes than a 16-bit precision); the
 memory-bandwidth bound (weight bytes ÷ the bandwidth a large matrix-vector product reaches here); then plain
 decoding tokens/s of each engine and DSpark tokens/s (fixed γ and scheduled) on the evaluation sets, and how many
-tokens each precision's plain output shares with float32's before they differ. Precisions: float32, bfloat16, and
-int8 (weight-only int8 with bfloat16 activations).
+tokens each precision's plain output shares with float32's before they differ. Precisions: float32, bfloat16, int8
+and int4 (weight-only, with bfloat16 activations).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 
 def streamed_bytes(target) -> int:
     """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
-    (int8 matrices at one byte per weight plus their scales); the embedding lookup reads one row."""
-    from dspark.decoder import Int8Weight, dense
+    (int8 and int4 matrices at their packed size plus their scales); the embedding lookup reads one row."""
+    from dspark.decoder import Int4Weight, Int8Weight, dense
 
     def size(w) -> int:
         if w is None:
@@ -54,6 +54,8 @@ def streamed_bytes(target) -> int:
         w = dense(w)  # a packed or split matrix holds the same values in another layout
         if isinstance(w, Int8Weight):
             return w.q.numel() + w.scale.numel() * w.scale.element_size()
+        if isinstance(w, Int4Weight):
+            return w.packed.numel() + w.scales_and_zeros.numel() * w.scales_and_zeros.element_size()
         return w.numel() * w.element_size()
 
     layers = sum(size(w) for layer in target.decoder.layers for w in layer.values())
@@ -124,7 +126,7 @@ def run_engine_bench(
     from dspark.drafter import load_drafter
     from dspark.scheduling.planner import build_scheduler
     from dspark.scheduling.profile import profile_target
-    from dspark.target import Target
+    from dspark.target import QUANTIZED, Target, load_precision
 
     threads = torch.get_num_threads()
     run = {"bandwidth_gbs": memory_bandwidth_gbs(bandwidth_gib), "forward": [], "decode": [], "llama_cpp": None}
@@ -140,10 +142,8 @@ def run_engine_bench(
         }
     reference = {}  # float32 plain output per dataset: what every precision's plain output is compared with
     for dtype in dtypes:
-        quantized = dtype == "int8"  # int8 weights, bfloat16 activations
-        target = tune(
-            Target.load(model, dtype="bfloat16" if quantized else dtype, quantize="int8" if quantized else None)
-        )
+        quantized = dtype in QUANTIZED  # int8 or int4 weights, bfloat16 activations
+        target = tune(load_precision(model, dtype))
         if not reference:
             exact = target if dtype == "float32" else Target.load(model, dtype="float32")
             for name in datasets:

@@ -568,3 +568,74 @@ def llama_cpp_plot(run: dict, path: Path) -> Path:
         ax.legend(fontsize=6)
     axes[0][0].set_ylabel("tokens/s")
     return save_figure(fig, path)
+
+
+def quality_section(run: dict, command: str, plot: str, name: str = "quality") -> str:
+    """The `quality` section of BENCHMARKS.md: each precision's closeness to float32, overall and per set."""
+    from dspark.bench.quality import overall
+
+    m = run["machine"]
+    lc = run["llama_cpp"]
+    llama = f" llama.cpp: llama-cpp-python {lc['version']} on {lc['file']}." if lc else ""
+    if lc and lc.get("same_weights"):
+        llama += (
+            " The target's float weights are that file's, dequantized: llama.cpp runs the float32 model's weights "
+            "with arithmetic of its own (8-bit activations in its products), while int8 rounds them once more, "
+            "onto a grid per output channel."
+        )
+    out = [
+        *section_header(f"## {name}", command, run["when"]),
+        f"Machine: {m['cpu']}, torch {m['torch']}, torch threads {m['torch_threads']}.{llama} Target "
+        f"{run['model']}; the float32 model answers {run['prompts_per_set']} prompts of each set greedily (up to "
+        f"{run['max_new_tokens']} new tokens); every other model is read on those answers (teacher-forced: how "
+        "often its most likely next token is float32's, KL(float32 ‖ it) in nats per token, perplexity of the "
+        "answers), then answers the same prompts itself (identical answers, mean tokens shared before the first "
+        "difference).",
+        "",
+        "| precision | tokens | top-1 agreement | KL (nats/token) | perplexity | identical answers | tokens shared |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in overall(run):
+        out.append(
+            f"| {r['precision']} | {r['tokens']} | {r['top1_agreement']:.1%} | {r['kl']:.4f} | "
+            f"{r['perplexity']:.3f} | {r['identical']}/{r['prompts']} | {r['shared_prefix']:.1f} |"
+        )
+    labels = list(dict.fromkeys(r["precision"] for r in run["rows"]))
+    sets = list(dict.fromkeys(r["dataset"] for r in run["rows"]))
+    cell = {(r["precision"], r["dataset"]): r for r in run["rows"]}
+    out += [
+        "",
+        "Top-1 agreement with float32 per set (identical answers in brackets):",
+        "",
+        "| precision | " + " | ".join(sets) + " |",
+        "| --- " * (len(sets) + 1) + "|",
+    ]
+    for label in labels:
+        cells = [cell[(label, s)] for s in sets]
+        out.append(
+            f"| {label} | "
+            + " | ".join(f"{c['top1_agreement']:.1%} ({c['identical']}/{c['prompts']})" for c in cells)
+            + " |"
+        )
+    out += ["", f"![closeness to float32]({plot})", ""]
+    return "\n".join(out)
+
+
+def quality_plot(run: dict, path: Path) -> Path:
+    from dspark.bench.quality import overall
+    from dspark.extras import pyplot
+
+    plt = pyplot()
+    rows = overall(run)
+    labels = [r["precision"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    left.bar(labels, [100 * r["top1_agreement"] for r in rows], color="tab:blue")
+    left.set(ylabel="top-1 agreement with float32 (%)", ylim=(min(100 * r["top1_agreement"] for r in rows) - 5, 100))
+    right.bar(labels, [r["kl"] for r in rows], color="tab:orange")
+    right.set(ylabel="KL(float32 ‖ model), nats/token")
+    for ax in (left, right):
+        ax.tick_params(axis="x", labelsize=8, rotation=15)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("How close each precision stays to the float32 model")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)

@@ -14,6 +14,7 @@ from dspark.fsutil import check_input_file
 
 def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None:
     from dspark.models import DEFAULT_TARGET
+    from dspark.target import PRECISIONS
 
     p.add_argument(
         "--model", default=DEFAULT_TARGET, help=f"known target name or HF model folder (default {DEFAULT_TARGET})"
@@ -22,16 +23,11 @@ def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None
         p.add_argument(
             "--dtype",
             default="auto",
-            choices=["auto", "float32", "bfloat16"],
-            help="target precision; auto: the faster one on this CPU (measured once, cached). float32 "
-            "output of speculative decoding is token-for-token that of plain decoding",
-        )
-        p.add_argument(
-            "--quantize",
-            choices=["none", "int8"],
-            default="none",
-            help="int8: weight-only int8 target (per-channel scales); plain and speculative decoding "
-            "share it, so they still agree",
+            choices=["auto", *PRECISIONS],
+            help="target precision; int8 / int4: weight-only 8-bit (a scale per output channel) or 4-bit (a step "
+            "and minimum per group of 32 columns, the Q4_1 layout) with bfloat16 activations. auto: the fastest "
+            "on this CPU (measured once, cached). Speculative output is token for token that of plain decoding in "
+            "the same precision",
         )
     else:
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="precision of the weights")
@@ -167,19 +163,18 @@ def load_target(args, layer_ids=None):
     fastest (said on stderr, with why). The machine's tuning is measured the first time (`dspark autotune`), then
     read from the cache."""
     from dspark.autotune import choose_precision, tune
-    from dspark.target import Target
+    from dspark.target import load_precision
 
     setup_torch(args)
-    quantize = getattr(args, "quantize", None)
     loaded = {}  # a precision timed for `auto` is the target returned: loaded and tuned once
 
-    def load(dtype):
-        if dtype not in loaded:
-            loaded[dtype] = tune(Target.load(args.model, dtype=dtype, layer_ids=layer_ids, quantize=quantize))
-        return loaded[dtype]
+    def load(precision):
+        if precision not in loaded:
+            loaded[precision] = tune(load_precision(args.model, precision, layer_ids=layer_ids))
+        return loaded[precision]
 
     if args.dtype == "auto":
-        choice = choose_precision(args.model + ("-int8" if quantize == "int8" else ""), load)
+        choice = choose_precision(args.model, load)
         args.dtype = choice.dtype
         print(f"dspark: precision {choice.dtype}: {choice.reason} (--dtype overrides)", file=sys.stderr)
     return load(args.dtype)

@@ -52,7 +52,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from dspark.records import read_records
-    from dspark.target import Target, resolve_device
+    from dspark.target import load_precision, resolve_device
     from dspark.training.regenerate import completed_ids, regenerate
 
     prompts, out = Path(args.prompts), check_output_file(args.out, "--out")
@@ -67,9 +67,7 @@ def run(args) -> int:
         target = load_target(args)
     else:  # auto precision was measured for CPUs; a GPU answers in bfloat16
         setup_torch(args)
-        target = Target.load(
-            args.model, dtype="bfloat16" if args.dtype == "auto" else args.dtype, device=device, quantize=args.quantize
-        )
+        target = load_precision(args.model, "bfloat16" if args.dtype == "auto" else args.dtype, device=device)
     llm = None
     if args.backend == "llama-cpp":
         import torch

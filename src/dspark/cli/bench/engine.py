@@ -7,6 +7,7 @@ import sys
 from dspark.cli.args import positive_int, setup_torch, threads
 from dspark.cli.bench import add_output_args, check_bench_args, publish
 from dspark.models import DEFAULT_TARGET
+from dspark.target import PRECISIONS
 
 
 def register(sub) -> None:
@@ -17,8 +18,8 @@ def register(sub) -> None:
         "--dtypes",
         nargs="+",
         default=["bfloat16", "float32"],
-        choices=["float32", "bfloat16", "int8"],
-        help="int8: weight-only int8 with bfloat16 activations",
+        choices=PRECISIONS,
+        help="int8 / int4: weight-only 8-bit or 4-bit weights with bfloat16 activations",
     )
     p.add_argument("--name", default="engine", help="name of the result files and of the BENCHMARKS.md section")
     p.add_argument("--drafter", help="drafter for the DSpark rows (default: the shipped one)")
