@@ -294,3 +294,50 @@ def test_production_budget_is_a_global_argmax_used_two_steps_later():
     # steps 1-2: no history yet (one draft each); step 3 spends step 1's budget (4); steps 4-5 those of the unsure
     # steps 2-3 (1: on this curve a second token is free)
     assert steps == [[1], [1], [4], [1], [1]]
+
+
+class DraftsEveryThirdRound(FixedLength):
+    """Drafts (and verifies two drafts) in every third round; `eager` drafts in the others too but verifies none, so
+    the drafter reads every round's token as it comes."""
+
+    def __init__(self, eager: bool):
+        super().__init__(2)
+        self.eager, self.round = eager, 0
+
+    def drafts(self, rows: int) -> bool:
+        self.round += 1
+        return self.eager or self.round % 3 == 1
+
+    def lengths(self, confidence_logits, gamma: int, batch: int) -> torch.Tensor:
+        return torch.full((batch,), 2 if self.round % 3 == 1 else 0, dtype=torch.long)
+
+
+def test_rounds_that_do_not_draft_leave_their_tokens_for_the_drafter_to_read_in_one_call():
+    """The drafter reads the tokens of rounds that skip drafting when it next drafts, in one call: its proposals are
+    those of a drafter that read every token as it came, in fewer calls, and the rows that join and leave between
+    rounds keep their own context."""
+    target = tiny_target(eos=7)
+    drafter = tiny_drafter(target, block_size=4)
+    extend, propose = drafter.extend_context, drafter.propose
+    prompts = [[9, 10, 11, 12], [3, 4], [20, 21, 22, 23, 24, 25]]
+    outputs, proposals, calls = {}, {}, {}
+    for eager in (True, False):
+        proposals[eager], calls[eager] = [], 0
+
+        def recorded(*args, eager=eager, **kwargs):
+            proposal = propose(*args, **kwargs)
+            proposals[eager].append(proposal.tokens)
+            return proposal
+
+        def counted(*args, eager=eager, **kwargs):
+            calls[eager] += 1
+            return extend(*args, **kwargs)
+
+        drafter.propose, drafter.extend_context = recorded, counted
+        engine = SpeculativeEngine(target, drafter, DraftsEveryThirdRound(eager))
+        outputs[eager] = [r.token_ids for r in engine.generate(prompts, 24)]
+    assert outputs[False] == outputs[True] == [r.token_ids for r in generate_plain(target, prompts, 24)]
+    read_as_they_came = proposals[True][::3]
+    assert len(read_as_they_came) == len(proposals[False]) > 3
+    assert all(torch.equal(a, b) for a, b in zip(read_as_they_came, proposals[False]))
+    assert calls[False] < calls[True]

@@ -12,7 +12,7 @@ requests into a `Batch` (their prefill), `step` it, `cancel` rows. Without a dra
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,6 +47,9 @@ class Batch:
     tcache: KVCache
     dcache: ProposerCache | None
     anchors: torch.Tensor  # [B] each row's last token, not yet in the caches
+    # Rounds that did not draft leave one token per row for the drafter to read: (features [B, 1, F], the token
+    # after it [B, 1]) each, read in one call when a round drafts again or the rows change.
+    unread: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class SpeculativeEngine:
@@ -116,6 +119,8 @@ class SpeculativeEngine:
 
     def merge(self, batch: Batch, other: Batch) -> None:
         """Append the rows of `other` to `batch`."""
+        self._catch_up(batch)
+        self._catch_up(other)
         batch.tcache.merge(other.tcache)
         if batch.dcache is not None:
             batch.dcache.merge(other.dcache)
@@ -136,6 +141,7 @@ class SpeculativeEngine:
         t0 = time.perf_counter()
         proposal, ell = None, torch.zeros(len(rows), dtype=torch.long, device=device)
         if drafter is not None and self.policy.drafts(len(rows)):
+            self._catch_up(batch)
             proposal = drafter.propose(batch.dcache, anchors, sampling, gens)
             ell = self.policy.lengths(proposal.confidence_logits, self.gamma, len(rows)).to(device)
             # Never verify past max_new_tokens: those tokens would be cut anyway.
@@ -156,9 +162,11 @@ class SpeculativeEngine:
         batch.tcache.rollback(batch.tcache.lengths - (ell + 1) + (accepted + 1))
         t2 = time.perf_counter()
         if drafter is not None:
-            drafter.extend_context(
-                batch.dcache, out.features, accepted + 1, following(verify_ids, accepted, batch.anchors)
-            )
+            next_ids = following(verify_ids, accepted, batch.anchors)
+            if proposal is None:  # one token per row; read when it is needed, with the others
+                batch.unread.append((out.features, next_ids))
+            else:
+                drafter.extend_context(batch.dcache, out.features, accepted + 1, next_ids)
         t3 = time.perf_counter()
 
         draft_list, acc, nxt, ells = drafts.tolist(), accepted.tolist(), batch.anchors.tolist(), ell.tolist()
@@ -179,6 +187,16 @@ class SpeculativeEngine:
             if row.request.index == index and not row.request.finished:
                 row.request.finish_reason = "cancelled"
 
+    def _catch_up(self, batch: Batch) -> None:
+        """The drafter reads the tokens of the rounds that did not draft, in one call (a 1-row round on a 2-core
+        EPYC: 1.1 ms a token one by one, against a step of 16 ms in int4)."""
+        if batch.unread and self.drafter is not None:
+            features = torch.cat([f for f, _ in batch.unread], dim=1)
+            next_ids = torch.cat([n for _, n in batch.unread], dim=1)
+            count = torch.full(features.shape[:1], features.shape[1], dtype=torch.long, device=features.device)
+            self.drafter.extend_context(batch.dcache, features, count, next_ids)
+        batch.unread.clear()
+
     def _drop_finished(self, batch: Batch) -> list[Row]:
         keep = [i for i, r in enumerate(batch.rows) if not r.request.finished]
         done = [r for r in batch.rows if r.request.finished]
@@ -186,6 +204,7 @@ class SpeculativeEngine:
         for row in done:
             row.finished = now
         if done:
+            self._catch_up(batch)
             index = torch.tensor(keep, dtype=torch.long, device=self.target.device)
             batch.tcache.select(index)
             if batch.dcache is not None:
