@@ -50,7 +50,7 @@ def llama_greedy(llm, prompt: list[int], max_new_tokens: int, stop: set[int]) ->
 
 def closeness(reference: torch.Tensor, logprobs: torch.Tensor, answer: list[int]) -> dict:
     """Sums over one answer: top-1 agreements, KL(reference ‖ logprobs) and negative log-likelihood (nats)."""
-    tokens = torch.tensor(answer)[:, None]
+    tokens = torch.tensor(answer, dtype=torch.long)[:, None]
     vocab = min(reference.shape[-1], logprobs.shape[-1])  # a GGUF may pad its vocabulary
     reference, logprobs = reference[:, :vocab], logprobs[:, :vocab]
     return {
@@ -64,13 +64,14 @@ def closeness(reference: torch.Tensor, logprobs: torch.Tensor, answer: list[int]
 def summary(label: str, dataset: str, sums: list[dict], greedy: list[tuple[list[int], list[int]]]) -> dict:
     """One row of the report: per-token means over the teacher-forced answers, and the free-running comparison."""
     tokens = sum(s["tokens"] for s in sums)
+    per_token = max(tokens, 1)  # answers that end at once carry no tokens
     return {
         "precision": label,
         "dataset": dataset,
         "tokens": tokens,
-        "top1_agreement": round(sum(s["agree"] for s in sums) / tokens, 4),
-        "kl": round(sum(s["kl"] for s in sums) / tokens, 5),
-        "perplexity": round(math.exp(sum(s["nll"] for s in sums) / tokens), 3),
+        "top1_agreement": round(sum(s["agree"] for s in sums) / per_token, 4),
+        "kl": round(sum(s["kl"] for s in sums) / per_token, 5),
+        "perplexity": round(math.exp(sum(s["nll"] for s in sums) / per_token), 3),
         "identical": sum(ours == ref for ours, ref in greedy),
         "prompts": len(greedy),
         "shared_prefix": round(sum(common_prefix(ours, ref) for ours, ref in greedy) / len(greedy), 1),
