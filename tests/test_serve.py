@@ -243,13 +243,20 @@ def test_requests_over_the_limit_are_answered_429(tiny):
 
 
 @pytest.mark.real
-def test_serving_the_real_target_with_the_shipped_drafter(real_target):
+def test_serving_the_real_target_with_the_shipped_drafter(real_target, tmp_path):
+    """32 concurrent requests get what each gets alone, and /metrics watches the scheduler's calibration. The cost
+    table is fixed and flat (a verify costs what a step does, as on a GPU), so that every round drafts on any
+    machine: with this machine's own costs the scheduler may draft in a handful of rounds, too few to compare its
+    predictions with."""
     from dspark.assets import shipped_drafter
     from dspark.drafter import load_drafter
     from dspark.scheduling.planner import build_scheduler
+    from dspark.scheduling.profile import CostTable
 
     path = shipped_drafter("smollm2-135m-instruct")
-    engine = SpeculativeEngine(real_target, load_drafter(path, real_target), build_scheduler(real_target, path))
+    CostTable([1, 8, 64, 256], [50.0, 50.0, 50.0, 50.0]).save(tmp_path / "costs.json")
+    scheduler = build_scheduler(real_target, path, str(tmp_path / "costs.json"))
+    engine = SpeculativeEngine(real_target, load_drafter(path, real_target), scheduler)
     from dspark.assets import eval_prompts
 
     prompts = [
