@@ -168,9 +168,10 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
         pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")
     tiny_drafter(target, draft_vocab_size=40).save(tmp_path / "d", target.identity())
     drafter = load_drafter(tmp_path / "d", target.use_packed_weights(True))
-    assert sum(isinstance(m, PackedLinear) for m in drafter.modules()) >= 8  # fc, q/k/v/o, gate/up/down, heads
+    assert sum(isinstance(m, PackedLinear) for m in drafter.modules()) == 3  # fc, Markov head, confidence head
+    assert all(products is not None for _, products in drafter.layers_for_inference())  # the layers' own form
     for_int8 = load_drafter(tmp_path / "d", tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int8"))
-    assert sum(isinstance(m, PackedLinear) for m in for_int8.modules()) >= 8  # an int8 target's drafter is bfloat16
+    assert sum(isinstance(m, PackedLinear) for m in for_int8.modules()) == 3  # an int8 target's drafter is bfloat16
     saved = load_drafter(tmp_path / "d", target.use_packed_weights(False))
     assert drafter.state_dict().keys() == saved.state_dict().keys()
     features = torch.randn(1, 12, drafter.fc.in_features, dtype=torch.bfloat16)
@@ -184,10 +185,44 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
         proposals.append(drafter.propose(cache, anchor, params, params.generators(1)))
     torch.testing.assert_close(proposals[0].probs, proposals[1].probs, rtol=0.05, atol=0.02)
     assert not any(isinstance(m, PackedLinear) for m in drafter.modules())
+    assert all(products is None for _, products in drafter.layers_for_inference())
     cache = saved.new_cache(1)
     saved.extend_context(cache, features, torch.tensor([12]))
     params = SamplingParams(temperature=1.0, seed=0)
     assert torch.equal(saved.propose(cache, anchor, params, params.generators(1)).probs, proposals[1].probs)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_a_draft_layers_stacked_products_compute_what_its_modules_do_until_a_weight_changes():
+    """LayerProducts multiply q/k/v, k/v and gate/up as one packed product each: the layer's output is that of its
+    own modules up to bfloat16 rounding; once a weight changes (training after packing) the modules run again."""
+    from dspark.decoder import packing_available
+    from dspark.drafter.backbone import LayerProducts, context_kv, layer_forward
+
+    target = tiny_target(hidden=64, dtype=torch.bfloat16)
+    if not packing_available(target.lm_head.weight):
+        pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")
+    drafter = tiny_drafter(target).to(torch.bfloat16)
+    layer = drafter.layers[0]
+    products = LayerProducts(layer)
+    x, ctx = torch.randn(2, 4, 64, dtype=torch.bfloat16), torch.randn(2, 6, 64, dtype=torch.bfloat16)
+    positions = torch.arange(6).expand(2, 6)
+    cos, sin = drafter.rotary_emb(x, positions)
+    with torch.no_grad():
+        kv = [context_kv(layer, ctx, cos, sin, p) for p in (products, None)]
+        for a, b in zip(*kv):
+            torch.testing.assert_close(a, b, rtol=0.02, atol=0.02)
+        k, v = kv[1]
+        fused, plain = (layer_forward(layer, x, cos[:, :4], sin[:, :4], k, v, None, p) for p in (products, None))
+        for a, b in zip(fused, plain):
+            torch.testing.assert_close(a, b, rtol=0.02, atol=0.05)
+        assert products.usable()
+        layer.mlp.down_proj.weight.add_(1.0)
+        assert not products.usable()
+        after = layer_forward(layer, x, cos[:, :4], sin[:, :4], k, v, None, products)
+        assert torch.equal(after[0], layer_forward(layer, x, cos[:, :4], sin[:, :4], k, v, None, None)[0])
+        assert not torch.equal(after[0], fused[0])
+    assert not LayerProducts(layer).usable()  # gradients wanted: the modules run
 
 
 def test_checkpoint_for_another_target_is_refused(target, tmp_path):

@@ -14,7 +14,7 @@ import importlib
 import torch
 from torch import nn
 
-from dspark.decoder import attention, rotate
+from dspark.decoder import PackedWeight, attention, linear, rotate
 from dspark.errors import DSparkError
 
 
@@ -74,31 +74,81 @@ def check_layer_layout(layer: nn.Module, model_type: str) -> None:
         )
 
 
-def _heads(attn, x: torch.Tensor, proj: nn.Module, norm: nn.Module | None = None) -> torch.Tensor:
-    """Project x [B, L, d] to heads [B, H, L, hd], with the family's per-head norm where it has one (Qwen3)."""
-    out = proj(x).unflatten(-1, (-1, attn.head_dim))
+class Stacked:
+    """nn.Linear layers that read the same input as one packed product (decoder.PackedWeight of their stacked
+    weights); `sizes` splits the output back."""
+
+    def __init__(self, *layers: nn.Linear):
+        self.sizes = [m.out_features for m in layers]
+        self.weight = PackedWeight(torch.cat([m.weight.data for m in layers]))
+        biases = [m.bias for m in layers]
+        self.bias = torch.cat([b.data for b in biases]) if all(b is not None for b in biases) else None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+
+class LayerProducts:
+    """A draft layer's products for inference: q/k/v of the block in one packed product, k/v of the context in one,
+    gate/up in one, o and down alone (one layer at one row, 2-core EPYC with AVX-512-BF16: 0.94 against 0.72-0.85
+    ms, the same output bits). The layer keeps its own parameters, which training, checkpoints and export read;
+    `usable` is false once any of them changed or while gradients are wanted, and the layer's modules run."""
+
+    def __init__(self, layer: nn.Module):
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.sources = [p for m in linears for p in (m.weight, m.bias) if p is not None]
+        self.stamp = self.current_stamp()
+        self.qkv = Stacked(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.kv = Stacked(attn.k_proj, attn.v_proj)
+        self.o = Stacked(attn.o_proj)
+        self.gate_up = Stacked(mlp.gate_proj, mlp.up_proj)
+        self.down = Stacked(mlp.down_proj)
+
+    def current_stamp(self) -> list[tuple[int, int]]:
+        return [(p.data_ptr(), p._version) for p in self.sources]
+
+    def usable(self) -> bool:
+        return not torch.is_grad_enabled() and self.current_stamp() == self.stamp
+
+
+def _heads(attn, projected: torch.Tensor, norm: nn.Module | None = None) -> torch.Tensor:
+    """A projection [B, L, H * hd] as heads [B, H, L, hd], with the family's per-head norm where it has one (Qwen3)."""
+    out = projected.unflatten(-1, (-1, attn.head_dim))
     if norm is not None:
         out = norm(out)
     return out.transpose(1, 2)
 
 
-def context_kv(layer: nn.Module, ctx: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+def context_kv(
+    layer: nn.Module, ctx: torch.Tensor, cos, sin, products: LayerProducts | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values that one draft layer reads from the fused context ctx [B, L, d]."""
     attn = layer.self_attn
-    k = rotate(_heads(attn, ctx, attn.k_proj, getattr(attn, "k_norm", None)), cos, sin)
-    v = _heads(attn, ctx, attn.v_proj)
-    return k, v
+    if products is not None and products.usable():
+        k, v = products.kv(ctx)
+    else:
+        k, v = attn.k_proj(ctx), attn.v_proj(ctx)
+    return rotate(_heads(attn, k, getattr(attn, "k_norm", None)), cos, sin), _heads(attn, v)
 
 
-def layer_forward(layer: nn.Module, x: torch.Tensor, cos, sin, ctx_k, ctx_v, mask) -> torch.Tensor:
-    """One draft decoder layer: block queries over cat(context, block) keys/values; mask [B, 1, Q, Lctx + Q]."""
-    attn = layer.self_attn
+def layer_forward(
+    layer: nn.Module, x: torch.Tensor, cos, sin, past_k, past_v, mask, products: LayerProducts | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One draft decoder layer: queries of x [B, Q, d] over cat(past, own) keys/values (past None: own alone);
+    mask [B, 1, Q, past + Q]. Returns the layer's output and its own keys and values."""
+    attn, mlp = layer.self_attn, layer.mlp
+    fused = products is not None and products.usable()
     h = layer.input_layernorm(x)
-    q = rotate(_heads(attn, h, attn.q_proj, getattr(attn, "q_norm", None)), cos, sin)
-    k = rotate(_heads(attn, h, attn.k_proj, getattr(attn, "k_norm", None)), cos, sin)
-    v = _heads(attn, h, attn.v_proj)
-    k = torch.cat([ctx_k, k], dim=2)
-    v = torch.cat([ctx_v, v], dim=2)
-    out = attention(q, k, v, mask, attn.scaling)
-    x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    q, k, v = products.qkv(h) if fused else (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+    q = rotate(_heads(attn, q, getattr(attn, "q_norm", None)), cos, sin)
+    k = rotate(_heads(attn, k, getattr(attn, "k_norm", None)), cos, sin)
+    v = _heads(attn, v)
+    keys = k if past_k is None else torch.cat([past_k, k], dim=2)
+    values = v if past_v is None else torch.cat([past_v, v], dim=2)
+    out = attention(q, keys, values, mask, attn.scaling).transpose(1, 2).flatten(2)
+    x = x + (products.o(out)[0] if fused else attn.o_proj(out))
+    h = layer.post_attention_layernorm(x)
+    gate, up = products.gate_up(h) if fused else (mlp.gate_proj(h), mlp.up_proj(h))
+    out = mlp.act_fn(gate) * up
+    return x + (products.down(out)[0] if fused else mlp.down_proj(out)), k, v

@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dspark.decoder import attention, rotate
-from dspark.drafter.backbone import _heads
+from dspark.drafter.backbone import layer_forward
 from dspark.drafter.model import DraftCache, DSparkDrafter, TrainOutput
 from dspark.proposer import Proposal
 from dspark.sampling import Sampling
@@ -30,18 +29,9 @@ class EagleDrafter(DSparkDrafter):
 
     def _layer(self, x, positions, past_k, past_v, mask):
         """x [B, Q, d] at positions [B, Q]; keys/values = cat(past, own); mask [B, 1, Q, past + Q]."""
-        layer = self.layers[0]
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        cos, sin = self.rotary_emb(h, positions)
-        q = rotate(_heads(attn, h, attn.q_proj, getattr(attn, "q_norm", None)), cos, sin)
-        k = rotate(_heads(attn, h, attn.k_proj, getattr(attn, "k_norm", None)), cos, sin)
-        v = _heads(attn, h, attn.v_proj)
-        keys = k if past_k is None else torch.cat([past_k, k], dim=2)
-        values = v if past_v is None else torch.cat([past_v, v], dim=2)
-        out = attention(q, keys, values, mask, attn.scaling)
-        x = x + attn.o_proj(out.transpose(1, 2).flatten(2))
-        return x + layer.mlp(layer.post_attention_layernorm(x)), k, v
+        cos, sin = self.rotary_emb(x, positions)
+        layer, products = self.layers_for_inference()[0]
+        return layer_forward(layer, x, cos, sin, past_k, past_v, mask, products)
 
     def _inputs(self, feature, next_ids):
         emb = nn.functional.embedding(next_ids, self.embed_weight).to(feature.dtype)

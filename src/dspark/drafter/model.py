@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dspark.decoder import GEMMA_FAMILIES, PackedLinear, PackedWeight, linear, packing_available
-from dspark.drafter.backbone import backbone_layout, check_layer_layout, context_kv, layer_forward
+from dspark.drafter.backbone import LayerProducts, backbone_layout, check_layer_layout, context_kv, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
 from dspark.errors import DSparkError
@@ -117,6 +117,7 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self._lm_slice = None
         self._packed_lm: PackedWeight | None = None
+        self._layer_products: list[LayerProducts] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -254,7 +255,7 @@ class DSparkDrafter(nn.Module):
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ctx = self.fuse(features)
         cos, sin = self.rotary_emb(ctx, positions)
-        return [context_kv(layer, ctx, cos, sin) for layer in self.layers]
+        return [context_kv(layer, ctx, cos, sin, products) for layer, products in self.layers_for_inference()]
 
     def backbone(self, block_ids, positions, ctx_kv, mask) -> torch.Tensor:
         """Block token ids [B, Q] at positions [B, Q] -> normed hidden states h [B, Q, d]."""
@@ -262,9 +263,15 @@ class DSparkDrafter(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         cos, sin = self.rotary_emb(x, positions)
-        for layer, (k, v) in zip(self.layers, ctx_kv):
-            x = layer_forward(layer, x, cos, sin, k, v, mask)
+        for (layer, products), (k, v) in zip(self.layers_for_inference(), ctx_kv):
+            x = layer_forward(layer, x, cos, sin, k, v, mask, products)[0]
         return self.norm(x)
+
+    def layers_for_inference(self) -> list[tuple[nn.Module, LayerProducts | None]]:
+        """Each draft layer with its packed products (None where the drafter is not packed)."""
+        if self._layer_products is None:
+            return [(layer, None) for layer in self.layers]
+        return list(zip(self.layers, self._layer_products))
 
     def base_logits(self, h: torch.Tensor) -> torch.Tensor:
         weight = self.lm_weight(h.dtype)
@@ -275,17 +282,20 @@ class DSparkDrafter(nn.Module):
         return linear(h, self._packed_lm).float()
 
     def use_packed_weights(self, packed: bool) -> DSparkDrafter:
-        """For inference: every matrix a proposal multiplies by in oneDNN's packed form (decoder.PackedLinear), as
-        the target's (`Target.use_packed_weights`), or back. Parameters and checkpoints are unchanged. Drafts need
-        not be bitwise the same in either form: verification decides what is emitted (1 row, 2-core EPYC: propose
-        4.2 -> 3.4 ms)."""
+        """For inference: every matrix a proposal multiplies by in oneDNN's packed form, as the target's
+        (`Target.use_packed_weights`), or back: the draft layers' through LayerProducts (the matrices that read one
+        input stacked into one product), the others through decoder.PackedLinear. Parameters and checkpoints are
+        unchanged. Drafts need not be bitwise the same in either form: verification decides what is emitted (1 row,
+        2-core EPYC: propose 4.2 -> 3.4 ms packed)."""
         packed = packed and packing_available(self.fc.weight)
+        in_layers = {id(m) for m in self.layers.modules()}
         for module in list(self.modules()):
             for name, child in module.named_children():
-                if packed and type(child) is nn.Linear:
+                if packed and type(child) is nn.Linear and id(child) not in in_layers:
                     setattr(module, name, PackedLinear(child))
                 elif not packed and isinstance(child, PackedLinear):
                     setattr(module, name, child.plain())
+        self._layer_products = [LayerProducts(layer) for layer in self.layers] if packed else None
         self._packed_lm = PackedWeight(self.lm_weight(self.fc.weight.dtype)) if packed else None
         return self
 
