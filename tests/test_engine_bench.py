@@ -150,6 +150,32 @@ def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
     assert sum(r.stats.tokens - r.stats.rounds for r in results) > 20
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_target_reads_prompts_with_its_float_weights(kind):
+    """A prefill of a quantized target multiplies by the bfloat16 weights it was quantized from (the quantized kernels'
+    cost grows with every row): its cache is the bfloat16 target's, bit for bit, alone or beside other prompts, while a
+    step after it computes with the quantized weights."""
+    from dspark.decoder import packing_available
+
+    bf16 = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16)
+    bf16.use_packed_weights(packing_available(bf16.lm_head.weight))  # the form a quantized target's prefill takes
+    quantized = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16).quantize(kind)
+    ids, lengths = torch.randint(0, 90, (2, 20)), torch.tensor([20, 13])
+    caches = {}
+    for name, target in (("bf16", bf16), ("quantized", quantized)):
+        caches[name] = target.new_cache(2)
+        out = target.prefill(caches[name], ids, lengths)
+        alone = target.prefill(target.new_cache(1), ids[1:, :13]).logits
+        assert torch.equal(out.logits[1:], alone)
+        caches[name + " logits"] = out.logits
+    assert torch.equal(caches["bf16"].k, caches["quantized"].k) and torch.equal(caches["bf16"].v, caches["quantized"].v)
+    if kind == "int4":  # int8 quantizes the LM head too
+        assert torch.equal(caches["bf16 logits"], caches["quantized logits"])
+    step = torch.tensor([[4], [5]])
+    after = {name: t.forward(caches[name], step).logits for name, t in (("bf16", bf16), ("quantized", quantized))}
+    assert not torch.equal(after["bf16"], after["quantized"])
+
+
 def test_closeness_counts_agreement_kl_and_likelihood():
     from dspark.bench.quality import closeness
 

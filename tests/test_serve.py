@@ -360,6 +360,10 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     # fixed 3's one repetition stays in the report.
     rows = bench(2, (1,), seen.append)
     assert len(rows) == 22 and len(seen) == 10 and all('"repetition": 1' in line for line in seen)
+    # Another precision of the same model (int4 computes in bfloat16 too) is another run: nothing is read back.
+    monkeypatch.setattr(type(target), "precision", property(lambda _self: "int4"))
+    assert len(bench(1, (1,), lambda _: None)) == 10
+    monkeypatch.undo()
     summary = bench_serve.summarise(rows)
     assert all((r["repetitions"] == 1) == (r["policy"] == "fixed 3") for r in summary)
     assert all(r["aggregate_tps_ci"] is not None for r in summary if r["policy"] != "fixed 3")

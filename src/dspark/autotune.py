@@ -114,7 +114,7 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     cache = target.new_cache(1)
     # Its own generator: loading a model must not move the caller's random state (a seeded training run).
     ids = torch.randint(0, min(target.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
-    target.forward(cache, ids[:, :64], logits="last")
+    target.prefill(cache, ids[:, :64])
 
     def fastest(forms: dict, widths: tuple[int, ...]) -> dict:
         best = {form: float("inf") for form in forms}

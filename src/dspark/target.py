@@ -323,17 +323,19 @@ class Target:
         logits: bool | str = True,
         features: bool | list[int] = False,
         last_hidden: bool = False,
+        prefill: bool = False,
     ) -> TargetOutput:
         """Append input_ids [B, n] to the cache (row b: its first num_new[b] are real, the rest padding).
 
         logits: True for every new position, "last" for each row's last real one only ([B, 1, V]; what a prefill
         needs: the LM head over a whole prompt is most of a prefill's cost), False for none.
-        features: the outputs of these decoder layers, concatenated (True: the target's default `layer_ids`)."""
+        features: the outputs of these decoder layers, concatenated (True: the target's default `layer_ids`).
+        prefill: the rows are prompts (`prefill`)."""
         batch, width = input_ids.shape
         if num_new is None:
             num_new = torch.full((batch,), width, dtype=torch.long, device=input_ids.device)
         layer_ids = self.layer_ids if features is True else (features or [])
-        hidden, captured = self.decoder.forward(cache, input_ids, num_new, layer_ids)
+        hidden, captured = self.decoder.forward(cache, input_ids, num_new, layer_ids, prefill)
         scores = None
         if logits == "last":
             scores = self.logits_from_hidden(hidden[torch.arange(batch, device=hidden.device), num_new - 1][:, None])
@@ -349,6 +351,15 @@ class Target:
             features=torch.cat(captured, dim=-1) if captured else None,
             last_hidden=hidden if last_hidden else None,
         )
+
+    def prefill(
+        self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor | None = None, features=False
+    ) -> TargetOutput:
+        """Read prompts into a cache: the logits of each row's last token ([B, 1, V]) and the features asked for. A
+        quantized target reads them with its float weights (LeanDecoder.quantize) and generates with its quantized
+        ones; every decoding loop prefills through here, so plain and speculative decoding still agree token for
+        token."""
+        return self.forward(cache, input_ids, num_new, logits="last", features=features, prefill=True)
 
     @torch.no_grad()
     def forward_sequences(self, input_ids: torch.Tensor, lengths: torch.Tensor | None = None, **want) -> TargetOutput:

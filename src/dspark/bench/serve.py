@@ -180,7 +180,7 @@ def run_serve_bench(
         "min_requests": min_requests,
         "min_tokens": min_tokens,
         "prompts": len(prompts),
-        "dtype": str(target.dtype),
+        "dtype": target.precision,  # int4 and bfloat16 compute alike but are different runs
         "threads": torch.get_num_threads(),
     }
     out.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,9 @@ class SpeculativeEngine:
     @torch.no_grad()
     def rebuild(self, rows: list[Row]) -> Batch:
         """A new batch of these rows rebuilt from their tokens alone (cache: prompt and output but the last token;
-        anchor: the last token), for rows whose caches a failed round left in an unknown state."""
+        anchor: the last token), for rows whose caches a failed round left in an unknown state. Their output so far is
+        read as a prompt is: in a quantized precision, with the float weights, so what follows may part from an
+        uninterrupted run at a near tie."""
         batch = self.new_batch(len(rows))
         last = torch.tensor([r.request.output[-1] for r in rows], dtype=torch.long, device=self.target.device)
         self._prefill(batch, [r.request.prompt + r.request.output[:-1] for r in rows], lambda _logits: last)
@@ -111,7 +113,7 @@ class SpeculativeEngine:
         """Read `contexts` into the caches of `batch` (new, sized for them); its anchors are choose(last logits).
         Returns those logits [B, V]."""
         ids, lengths = pad_prompts(contexts, self.target.device)
-        out = self.target.forward(batch.tcache, ids, lengths, logits="last", features=self.layer_ids)
+        out = self.target.prefill(batch.tcache, ids, lengths, features=self.layer_ids)
         batch.anchors = choose(out.logits[:, 0])
         if self.drafter is not None:
             self.drafter.extend_context(batch.dcache, out.features, lengths, following(ids, lengths - 1, batch.anchors))

@@ -62,7 +62,7 @@ def stream_plain(
             admitted += len(batch)
             fresh = target.new_cache(len(batch))
             ids, lengths = pad_prompts([prompt for _, prompt in batch], target.device)
-            logits = target.forward(fresh, ids, lengths, logits="last").logits[:, 0]
+            logits = target.prefill(fresh, ids, lengths).logits[:, 0]
             cache.merge(fresh)
             last = torch.cat([last, logits])
             now = time.perf_counter()

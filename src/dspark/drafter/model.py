@@ -268,8 +268,8 @@ class DSparkDrafter(nn.Module):
         return self.norm(x)
 
     def layers_for_inference(self) -> list[tuple[nn.Module, LayerProducts | None]]:
-        """Each draft layer with its packed products (None where the drafter is not packed)."""
-        if self._layer_products is None:
+        """Each draft layer with its packed products (None where the drafter is not packed, or was deepened after)."""
+        if self._layer_products is None or len(self._layer_products) != len(self.layers):
             return [(layer, None) for layer in self.layers]
         return list(zip(self.layers, self._layer_products))
 

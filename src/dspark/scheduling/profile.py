@@ -171,7 +171,7 @@ def profile_target(
         # rows of one length cost 20-22 % less a round, which made drafting look dearer than it is.
         spread = max(1, min(128, context // 2))
         lengths = torch.tensor([context - (37 * row) % spread for row in range(batch)], device=target.device)
-        out = target.forward(cache, ids[:, :context], lengths, logits="last", features=layer_ids)
+        out = target.prefill(cache, ids[:, :context], lengths, features=layer_ids)
         runs: dict = {}
         for n in token_counts:
 
