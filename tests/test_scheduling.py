@@ -93,16 +93,23 @@ def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
 
 def test_a_scheduler_skips_drafting_where_it_does_not_pay():
     """Drafting costs little beside one row's forward and much beside sixteen rows' (as on a CPU): with drafts that
-    survive 70 % of the time, one row drafts and sixteen verify their anchors alone, drafting once every probe_every
-    rounds to renew the estimate."""
+    survive 70 % of the time, one row drafts and sixteen verify their anchors alone, drafting after probe_every rounds
+    to renew the estimate, then after twice as many each time it still does not pay, up to max_probe_gap."""
     grid = [{"batch_size": b, "tokens_per_row": w, "ms": 10.0 * b + 1.0 * b * (w - 1)} for b in (1, 16) for w in (1, 4)]
     draft = [{"batch_size": 1, "ms": 2.0}, {"batch_size": 16, "ms": 300.0}]
-    scheduler = PrefixScheduler(CostTable([1], [10.0], {"grid": grid, "draft": draft}), probe_every=4)
+    scheduler = PrefixScheduler(CostTable([1], [10.0], {"grid": grid, "draft": draft}), probe_every=4, max_probe_gap=16)
     assert scheduler.drafts(16)  # nothing seen yet: draft
     scheduler.lengths(torch.full((16, 3), logit(0.7)), 3, 16)  # survival 0.7, 0.49, 0.34
     assert scheduler.drafting_pays(1) and not scheduler.drafting_pays(16)
-    assert [scheduler.drafts(16) for _ in range(8)] == [False, False, False, True] * 2
-    assert scheduler.drafts(1)
+    drafted = []
+    for i in range(1, 61):
+        if scheduler.drafts(16):
+            drafted.append(i)
+            scheduler.lengths(torch.full((16, 3), logit(0.7)), 3, 16)
+    assert drafted == [4, 12, 28, 44, 60]  # probes after 4, 8, 16, 16 and 16 rounds
+    assert len(scheduler.recent) == 1  # a probe's estimates replace the older ones
+    assert scheduler.drafts(1)  # a round where drafting pays: probes are due after probe_every rounds again
+    assert [scheduler.drafts(16) for _ in range(4)] == [False, False, False, True]
     # drafts that always survive pay even at sixteen rows
     scheduler.recent.clear()
     scheduler.lengths(torch.full((16, 3), 30.0), 3, 16)
@@ -114,7 +121,7 @@ def test_an_engine_that_skips_drafting_is_lossless_and_saves_the_proposals():
     drafter = tiny_drafter(target, block_size=4)
     dear = CostTable([1], [10.0], {"grid": [{"batch_size": 1, "tokens_per_row": w, "ms": 10.0} for w in (1, 5)]})
     dear.meta["draft"] = [{"batch_size": 1, "ms": 1000.0}]  # no draft pays for a 1000 ms proposal
-    engine = SpeculativeEngine(target, drafter, PrefixScheduler(dear, probe_every=5))
+    engine = SpeculativeEngine(target, drafter, PrefixScheduler(dear, probe_every=5, max_probe_gap=5))
     proposals = []
     propose = drafter.propose
     drafter.propose = lambda *a, **k: proposals.append(1) or propose(*a, **k)
