@@ -399,6 +399,13 @@ def test_matched_throughput_interpolates_along_the_baseline():
         {"policy": "fast", "concurrency": 4, "aggregate_tps": 90.0, "per_user_tps": 22.0},  # plain never gets there
     ]
     assert matched_throughput(summary, "fast", "plain") == {1: pytest.approx(40 / 27.5, abs=1e-3), 2: 0.667, 4: None}
+    # A baseline whose throughput falls again past 16 streams passes 96 tokens/s twice: between 8 and 16 streams
+    # (13 -> 8 tokens/s a user) and between 16 and 32 (8 -> 4); the policy is measured against the better pass.
+    saturating = [
+        {"policy": "plain", "concurrency": c, "aggregate_tps": a, "per_user_tps": u}
+        for c, a, u in ((1, 40.0, 40.0), (8, 94.0, 13.0), (16, 102.0, 8.0), (32, 95.0, 4.0))
+    ] + [{"policy": "fast", "concurrency": 16, "aggregate_tps": 96.0, "per_user_tps": 7.0}]
+    assert matched_throughput(saturating, "fast", "plain") == {16: pytest.approx(7 / (13 - 5 * 2 / 8), abs=1e-3)}
     assert mean_interval([10.0]) == (10.0, None)
     mean, half = mean_interval([9.0, 10.0, 11.0])
     assert mean == 10.0 and half == pytest.approx(4.303 / 3**0.5)

@@ -269,15 +269,18 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 def speed_at_throughput(curve: list[dict], aggregate: float) -> float | None:
     """A policy's per-user tokens/s at this aggregate throughput, by linear interpolation along its curve through
-    the concurrency levels. Below the curve's least throughput: its one-stream speed (it cannot serve fewer than
-    one stream); above its greatest: None (it never reaches that throughput)."""
-    points = sorted((r["aggregate_tps"], r["per_user_tps"]) for r in curve)
+    the concurrency levels, in their order. Where the curve passes that throughput more than once (its throughput
+    falls again past a saturating load), the best per-user speed among the passes. Below its one-stream throughput:
+    its one-stream speed (it cannot serve fewer than one stream); never reached: None."""
+    points = [(r["aggregate_tps"], r["per_user_tps"]) for r in sorted(curve, key=lambda r: r["concurrency"])]
     if aggregate <= points[0][0]:
         return points[0][1]
-    for (x0, y0), (x1, y1) in zip(points, points[1:]):
-        if x0 <= aggregate <= x1:
-            return y0 + (y1 - y0) * (aggregate - x0) / (x1 - x0)
-    return None
+    passes = [
+        y0 if x0 == x1 else y0 + (y1 - y0) * (aggregate - x0) / (x1 - x0)
+        for (x0, y0), (x1, y1) in zip(points, points[1:])
+        if min(x0, x1) <= aggregate <= max(x0, x1)
+    ]
+    return max(passes, default=None)
 
 
 def matched_throughput(summary: list[dict], policy: str, baseline: str) -> dict[int, float | None]:
