@@ -126,7 +126,7 @@ def run_engine_bench(
     from dspark.drafter import load_drafter
     from dspark.scheduling.planner import build_scheduler
     from dspark.scheduling.profile import profile_target
-    from dspark.target import QUANTIZED, Target, load_precision
+    from dspark.target import Target, load_precision
 
     threads = torch.get_num_threads()
     run = {"bandwidth_gbs": memory_bandwidth_gbs(bandwidth_gib), "forward": [], "decode": [], "llama_cpp": None}
@@ -142,7 +142,6 @@ def run_engine_bench(
         }
     reference = {}  # float32 plain output per dataset: what every precision's plain output is compared with
     for dtype in dtypes:
-        quantized = dtype in QUANTIZED  # int8 or int4 weights, bfloat16 activations
         target = tune(load_precision(model, dtype))
         if not reference:
             exact = target if dtype == "float32" else Target.load(model, dtype="float32")
@@ -163,7 +162,7 @@ def run_engine_bench(
             replaced = profile_target(target.use_packed_weights(False), counts, context, repeats)
             rows["ours, weights not packed"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
             target.use_packed_weights(True)
-        if not quantized:  # the HF model is not quantized: nothing to compare with there
+        if not target.quantized:  # the HF model is not quantized: nothing to compare with there
             rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
         if llm is not None and dtype == dtypes[0]:
             rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
@@ -197,7 +196,7 @@ def run_engine_bench(
                 "ours": round(plain.tokens_per_s, 2),
                 "same as float32": common_prefix(plain.token_ids, reference[name]),
             }
-            if not quantized:
+            if not target.quantized:
                 hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
                 row["hf"] = round(len(hf_tokens) / seconds, 2)
             if llm is not None and dtype == dtypes[0]:

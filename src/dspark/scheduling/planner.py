@@ -29,8 +29,7 @@ class PrefixScheduler(BasePolicy):
     and a round drafts anyway to renew the estimates after `probe_every` rounds, then twice as many while drafting
     keeps not paying, up to `max_probe_gap` (a probe of 64 rows costs about two plain rounds: one in 16 was ~6 % of a
     loaded server's time). A probe's estimates replace the older ones, which describe the text before the pause. The
-    question is settled before the round drafts, so its answer cannot depend on what is
-    drafted: lossless.
+    question is settled before the round drafts, so its answer cannot depend on what is drafted: lossless.
     """
 
     def __init__(
