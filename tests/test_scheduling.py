@@ -14,7 +14,7 @@ from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
 from dspark.scheduling.planner import PrefixScheduler
-from dspark.scheduling.profile import CostTable, fit_line, interleaved_median_ms, profile_target
+from dspark.scheduling.profile import CostTable, fit_monotone, interleaved_median_ms, profile_target
 
 APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
 
@@ -70,11 +70,19 @@ def test_the_scheduler_plans_with_the_cost_of_the_batch_shape_and_of_drafting():
     assert shaped.shape_time(2, 2) == pytest.approx(10.0 + 1.0 * 2)  # between profiled batch sizes: linear in rows
     assert shaped.shape_time(8, 2) == pytest.approx(2 * (10.0 + 1.0 * 4))  # beyond: proportional
     assert shaped.draft_time(4) == 0 and shaped.round_time(4, 2) == pytest.approx(14.0)
-    # the grid's timings per batch size are read as a least-squares line in width, never falling
-    assert fit_line([(1, 10.0), (2, 12.0), (3, 14.0)]) == pytest.approx((10.0, 2.0))
-    assert fit_line([(1, 14.0), (2, 10.0), (3, 12.0)]) == pytest.approx((12.0, 0.0))
+    # the grid's timings per batch size are read as the closest curve that never falls: a step stays a step
+    assert fit_monotone([(1, 10.0), (2, 12.0), (3, 12.0), (4, 20.0)]) == [(1, 10.0), (2, 12.0), (3, 12.0), (4, 20.0)]
+    assert fit_monotone([(2, 10.0), (1, 14.0), (3, 12.0)]) == [(1, 12.0), (2, 12.0), (3, 12.0)]
     noisy = CostTable([1], [10.0], {"grid": [dict(g, ms=g["ms"] * (1.4 if g == grid[0] else 1)) for g in grid]})
     assert noisy.shape_time(1, 1) <= noisy.shape_time(1, 2) <= noisy.shape_time(1, 4)  # raw points: 14, 11, ...
+    stepped = [
+        {"batch_size": rows, "tokens_per_row": w, "ms": 20.0 + (5 if w > 1 else 0) + (10 if w > 4 else 0)}
+        for rows in (1, 4)
+        for w in range(1, 9)
+    ]
+    steps = CostTable([1], [20.0], {"grid": stepped})
+    assert steps.shape_time(1, 2) == steps.shape_time(1, 4) == 25.0 < steps.shape_time(1, 5) == 35.0
+    assert steps.shape_time(1, 1.5) == pytest.approx(22.5) and steps.shape_time(1, 16) == pytest.approx(70.0)
     drafting = CostTable(
         [1, 16], [10.0, 10.5], {"grid": grid, "draft": [{"batch_size": 1, "ms": 4.0}, {"batch_size": 4, "ms": 10.0}]}
     )

@@ -58,14 +58,14 @@ class CostTable:
         return len({g["batch_size"] for g in self.meta.get("grid", [])}) > 1
 
     @cached_property
-    def _width_curves(self) -> dict[int, tuple[float, float]]:
-        """Per profiled batch size, the forward's time against tokens per row as a line, ms = a + b·(width - 1),
-        fitted by least squares (b >= 0). Single timings are noisy on a shared CPU (a point 37 % high was seen)
-        and the schedulers decide on differences between widths, which a line keeps sane."""
+    def _width_curves(self) -> dict[int, list[tuple[int, float]]]:
+        """Per profiled batch size, the forward's time against tokens per row, fitted never to fall (fit_monotone).
+        Not a line: quantized kernels cost in steps (int4 on a CPU: 2, 3 and 4 tokens a row cost about alike, 5 a
+        step more), and a line through them priced the third and fourth draft 2-4 ms too high at one row."""
         by_rows: dict[int, list[tuple[int, float]]] = {}
         for g in self.meta["grid"]:
             by_rows.setdefault(int(g["batch_size"]), []).append((int(g["tokens_per_row"]), float(g["ms"])))
-        return {size: fit_line(points) for size, points in by_rows.items()}
+        return {size: fit_monotone(points) for size, points in by_rows.items()}
 
     @cached_property
     def _draft_curve(self) -> CostTable | None:
@@ -73,14 +73,20 @@ class CostTable:
         return CostTable([b for b, _ in points], [ms for _, ms in points]) if points else None
 
     def shape_time(self, rows: int, width: float) -> float:
-        """Milliseconds for a forward of `rows` rows carrying `width` tokens each: the fitted line in width at each
-        profiled batch size, then linear in rows between them (proportional beyond the largest, like step_time)."""
+        """Milliseconds for a forward of `rows` rows carrying `width` tokens each: the fitted curve in width at each
+        profiled batch size (linear between its points, proportional beyond the widest), then linear in rows
+        between batch sizes (proportional beyond the largest, like step_time)."""
         curves = self._width_curves
         sizes = sorted(curves)
 
         def at(size: int) -> float:
-            a, b = curves[size]
-            return a + b * (width - 1)
+            points = curves[size]
+            if width >= points[-1][0]:
+                return points[-1][1] * width / points[-1][0]
+            if width <= points[0][0]:
+                return points[0][1]
+            (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:]) if width <= b[0])
+            return y0 + (y1 - y0) * (width - x0) / (x1 - x0)
 
         if rows <= sizes[0]:
             return at(sizes[0])
@@ -117,14 +123,19 @@ class CostTable:
         return cls(data["token_counts"], data["step_time_ms"], meta)
 
 
-def fit_line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares a, b of ms = a + b·(x - 1) through (x, ms) points, with b >= 0 (a forward never gets cheaper
-    with more tokens); one point gives a flat line."""
-    n = len(points)
-    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
-    spread = sum((x - mx) ** 2 for x, _ in points)
-    slope = max(0.0, sum((x - mx) * (y - my) for x, y in points) / spread) if spread else 0.0
-    return my - slope * (mx - 1), slope
+def fit_monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The closest non-decreasing curve (least squares) through (x, ms) points, sorted by x: pool-adjacent-violators.
+    A forward never gets cheaper with more tokens, so a point that falls below an earlier one is noise, pooled with
+    it; single timings on a shared CPU are noisy (a point 37 % high was seen) and the schedulers decide on the
+    differences between widths."""
+    pools: list[list[float]] = []  # [mean, count] per pooled run of points
+    for _, y in sorted(points):
+        pools.append([y, 1])
+        while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
+            (y2, n2), (y1, n1) = pools.pop(), pools.pop()
+            pools.append([(y1 * n1 + y2 * n2) / (n1 + n2), n1 + n2])
+    fitted = [y for y, n in pools for _ in range(int(n))]
+    return [(x, y) for (x, _), y in zip(sorted(points), fitted)]
 
 
 def batch_sizes_up_to(rows: int) -> tuple[int, ...]:
