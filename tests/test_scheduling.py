@@ -153,31 +153,6 @@ def test_at_one_stream_a_scheduler_judges_on_several_rounds_and_keeps_probing_wh
     assert rounds(4, poor) == [False, False, False, True] and scheduler.probe_gap == 8
 
 
-def test_a_scheduler_weighs_drafting_by_what_its_rounds_really_cost():
-    """The engine reports each round's wall time; where drafted rounds run 1.5x what the table prices them at and
-    plain rounds at their price, drafting that paid on paper by ~10 % no longer does."""
-    cost = CostTable([1, 4], [10.0, 13.0], {"draft": [{"batch_size": 1, "ms": 2.0}]})
-    scheduler = PrefixScheduler(cost, memory=1)
-    scheduler.lengths(torch.full((1, 3), logit(0.4)), 3, 1)  # best: 2 drafts, 1.56 tokens in 14 ms against 1 in 10
-    assert scheduler.drafting_pays(scheduler.recent, 1)
-    for _ in range(30):
-        scheduler.timed(1, 3.0, True, 1.5 * cost.round_time(1, 3.0) / 1000)
-        scheduler.timed(1, 1.0, False, cost.round_time(1, 1.0, drafted=False) / 1000)
-    assert scheduler.overrun[True] == pytest.approx(1.48, abs=0.01) and scheduler.overrun[False] == 1.0
-    assert not scheduler.drafting_pays(scheduler.recent, 1)
-    # the engine reports every round, drafted or not, with its rows and mean verified width
-    target = tiny_target(eos=7)
-    reported = []
-    policy = DraftsEveryThirdRound(eager=False)
-    policy.timed = lambda rows, width, drafted, seconds: reported.append((rows, width, drafted, seconds > 0))
-    [result] = SpeculativeEngine(target, tiny_drafter(target, block_size=4), policy).generate([[9, 10, 11]], 12)
-    assert len(reported) == result.stats.rounds and all(r[3] for r in reported)
-    assert [r[2] for r in reported] == [i % 3 == 0 for i in range(len(reported))]
-    # two drafts a drafted round (fewer where the token limit is near), none in the others
-    assert {r[1] for r in reported if r[2]} <= {2.0, 3.0} and {r[1] for r in reported if not r[2]} == {1.0}
-    assert reported[0][1] == 3.0
-
-
 def test_an_engine_that_skips_drafting_is_lossless_and_saves_the_proposals():
     target = tiny_target(eos=7)
     drafter = tiny_drafter(target, block_size=4)

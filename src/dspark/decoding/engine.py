@@ -181,7 +181,6 @@ class SpeculativeEngine:
             if on_round and proposal is not None and proposal.confidence_logits is not None:
                 on_round(row.request.index, proposal.confidence_logits[i], ells[i], acc[i])
             emit(row.request, draft_list[i][: acc[i]] + [nxt[i]], on_tokens, out.logits[i])
-        self.policy.timed(len(rows), 1 + sum(ells) / len(rows), proposal is not None, time.perf_counter() - t0)
         return done + self._drop_finished(batch)
 
     def cancel(self, batch: Batch, index: int) -> None:

@@ -32,9 +32,6 @@ class VerifyPolicy(Protocol):
     def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
         """The policy's estimate that drafts 1..k all survive, [batch, γ] (None without a confidence head)."""
 
-    def timed(self, rows: int, width: float, drafted: bool, seconds: float) -> None:
-        """The wall time of the round just run: `rows` rows verifying `width` tokens each on average."""
-
 
 def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:
     """c_k = σ(logit_k / T_k) (T = 1 unless calibrated)."""
@@ -63,9 +60,6 @@ class BasePolicy:
         if confidence_logits is None:
             return None
         return prefix_survival(confidence_logits, "survival", self.temperatures)
-
-    def timed(self, rows: int, width: float, drafted: bool, seconds: float) -> None:
-        pass
 
 
 class FixedLength(BasePolicy):

@@ -33,12 +33,6 @@ class PrefixScheduler(BasePolicy):
     drafted row), the cause is the load, not the text: probes then come after twice as many rounds each time, up to
     `max_probe_gap` (a probe of 64 rows costs about two plain rounds: one in 16 was ~6 % of a loaded server's time).
     The question is settled before the round drafts, so its answer cannot depend on what is drafted: lossless.
-
-    The cost table is timed on forwards; a round also spends on bookkeeping, and the table's drafted rounds came out
-    10-25 % cheaper than the server's at 2-4 rows (where drafting then lost to plain decoding). So the scheduler
-    keeps, for rounds that drafted and rounds that did not, a running ratio of their wall time to the table's price
-    (`timed`, from the engine) and weighs drafting by them. Past rounds' timings say nothing of the current drafts:
-    still lossless.
     """
 
     def __init__(
@@ -58,7 +52,6 @@ class PrefixScheduler(BasePolicy):
         self.max_probe_gap = max_probe_gap
         self.probe_gap = probe_every  # rounds without drafting before the next probe
         self.skipped = 0  # rounds since the last drafted one
-        self.overrun = {True: 1.0, False: 1.0}  # wall time over the table's price, rounds that drafted / did not
 
     def drafts(self, rows: int) -> bool:
         if sum(len(seen) for seen in self.recent) < self.memory or self.drafting_pays(self.recent, rows):
@@ -84,12 +77,7 @@ class PrefixScheduler(BasePolicy):
         for quarter in range(4 * gamma + 1):
             k = round(quarter * per_row / 4)
             best = max(best, (1 + gains[k] / per_row) * self.cost.rate(rows, 1 + k / per_row))
-        return best / self.overrun[True] > self.cost.rate(rows, 1.0, drafted=False) / self.overrun[False]
-
-    def timed(self, rows: int, width: float, drafted: bool, seconds: float) -> None:
-        ratio = 1000.0 * seconds / self.cost.round_time(rows, width, drafted)
-        # A running mean (each round moves it 10 %), within 0.5-2x: one round stalled by the host is not the engine.
-        self.overrun[drafted] += 0.1 * (min(max(ratio, 0.5), 2.0) - self.overrun[drafted])
+        return best > self.cost.rate(rows, 1.0, drafted=False)
 
     def observe(self, confidence_logits: torch.Tensor | None) -> torch.Tensor:
         """This round's survival estimates [B, γ], remembered for `drafts`."""
