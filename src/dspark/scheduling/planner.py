@@ -26,51 +26,44 @@ class PrefixScheduler(BasePolicy):
     Before drafting, a round asks whether drafting pays at its batch size: by the survival estimates of the last
     `memory` drafted rounds, would the best verification earn more than the drafter's share of the round costs?
     Where it would not (a loaded server, doubtful drafts), the round verifies its anchors alone, as plain decoding,
-    and a round drafts anyway to renew the estimates after `probe_every` rounds. A probe's estimates replace the
-    older ones, which describe the text before the pause, and rounds draft until `memory` rows have been seen: one
-    row's confidences are too noisy to stop on (at one stream, stopping on them left drafting off for most of a
-    request). Where drafting would not pay even with the survival of a typical round (a running mean over every
-    drafted row), the cause is the load, not the text: probes then come after twice as many rounds each time, up to
-    `max_probe_gap` (a probe of 64 rows costs about two plain rounds: one in 16 was ~6 % of a loaded server's time).
-    The question is settled before the round drafts, so its answer cannot depend on what is drafted: lossless.
+    and a round drafts anyway to renew the estimates after `probe_every` rounds, then twice as many while drafting
+    keeps not paying, up to `max_probe_gap` (a probe of 64 rows costs about two plain rounds: one in 16 was ~6 % of a
+    loaded server's time). A probe's estimates replace the older ones, which describe the text before the pause. The
+    question is settled before the round drafts, so its answer cannot depend on what is drafted: lossless.
     """
 
     def __init__(
         self,
         cost,
         temperatures: list[float] | None = None,
-        memory: int = 16,
+        memory: int = 8,
         probe_every: int = 16,
         max_probe_gap: int = 256,
     ):
         self.cost = cost
         self.temperatures = temperatures
-        self.memory = memory
         self.recent: deque[torch.Tensor] = deque(maxlen=memory)  # survival [rows, γ] of the last drafted rounds
-        self.typical: torch.Tensor | None = None  # [1, γ]: survival, a running mean over every drafted row
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
         self.probe_gap = probe_every  # rounds without drafting before the next probe
         self.skipped = 0  # rounds since the last drafted one
 
     def drafts(self, rows: int) -> bool:
-        if sum(len(seen) for seen in self.recent) < self.memory or self.drafting_pays(self.recent, rows):
+        if not self.recent or self.drafting_pays(rows):
             self.skipped, self.probe_gap = 0, self.probe_every
             return True
         if self.skipped + 1 >= self.probe_gap:  # a probe: the rounds before the pause describe an older context
-            self.skipped = 0
-            if self.typical is None or not self.drafting_pays([self.typical], rows):
-                self.probe_gap = min(2 * self.probe_gap, self.max_probe_gap)
+            self.skipped, self.probe_gap = 0, min(2 * self.probe_gap, self.max_probe_gap)
             self.recent.clear()
             return True
         self.skipped += 1
         return False
 
-    def drafting_pays(self, recent, rows: int) -> bool:
+    def drafting_pays(self, rows: int) -> bool:
         """Whether a round of `rows` rows that drafts and verifies its most likely drafts beats one that verifies
-        its anchors alone, in expected tokens per second, the drafts' survival taken from the `recent` rounds'
-        estimates [rows', γ] (pooled, per row) and verified 1/4 token per row at a time up to γ."""
-        pooled = torch.cat(list(recent))
+        its anchors alone, in expected tokens per second, the drafts' survival taken from the recent rounds (pooled,
+        per row) and verified 1/4 token per row at a time up to γ."""
+        pooled = torch.cat(list(self.recent))
         per_row, gamma = pooled.shape
         gains = [0.0, *accumulate(pooled.flatten().sort(descending=True).values.tolist())]
         best = 0.0
@@ -83,9 +76,6 @@ class PrefixScheduler(BasePolicy):
         """This round's survival estimates [B, γ], remembered for `drafts`."""
         survival = prefix_survival(confidence_logits, "scheduler", self.temperatures)
         self.recent.append(survival)
-        mean = survival.mean(dim=0, keepdim=True)
-        # A slow mean (each round moves it 5 %): what the drafter's survival is like over many requests.
-        self.typical = mean if self.typical is None else self.typical + 0.05 * (mean - self.typical)
         return survival
 
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
@@ -125,7 +115,7 @@ class ProductionScheduler(PrefixScheduler):
         cost,
         temperatures: list[float] | None = None,
         delay: int = 2,
-        memory: int = 16,
+        memory: int = 8,
         probe_every: int = 16,
         max_probe_gap: int = 256,
     ):
