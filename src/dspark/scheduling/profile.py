@@ -36,8 +36,9 @@ class CostTable:
         self.token_counts = [int(n) for n, _ in pairs]
         self.step_time_ms = [float(t) for _, t in pairs]
 
-    def step_time(self, tokens: int) -> float:
-        """Milliseconds for a forward over `tokens` tokens: linear between profiled counts, flat-extended outside."""
+    def step_time(self, tokens: float) -> float:
+        """Milliseconds for a forward over `tokens` tokens: linear between profiled counts, flat below the smallest,
+        proportional beyond the largest."""
         xs, ys = self.token_counts, self.step_time_ms
         if tokens <= xs[0]:
             return ys[0]
@@ -58,14 +59,15 @@ class CostTable:
         return len({g["batch_size"] for g in self.meta.get("grid", [])}) > 1
 
     @cached_property
-    def _width_curves(self) -> dict[int, list[tuple[int, float]]]:
+    def _width_curves(self) -> dict[int, CostTable]:
         """Per profiled batch size, the forward's time against tokens per row, fitted never to fall (fit_monotone).
         Not a line: quantized kernels cost in steps (int4 on a CPU: 2, 3 and 4 tokens a row cost about alike, 5 a
         step more), and a line through them priced the third and fourth draft 2-4 ms too high at one row."""
         by_rows: dict[int, list[tuple[int, float]]] = {}
         for g in self.meta["grid"]:
             by_rows.setdefault(int(g["batch_size"]), []).append((int(g["tokens_per_row"]), float(g["ms"])))
-        return {size: fit_monotone(points) for size, points in by_rows.items()}
+        curves = {size: fit_monotone(points) for size, points in by_rows.items()}
+        return {size: CostTable([w for w, _ in fit], [ms for _, ms in fit]) for size, fit in curves.items()}
 
     @cached_property
     def _draft_curve(self) -> CostTable | None:
@@ -80,13 +82,7 @@ class CostTable:
         sizes = sorted(curves)
 
         def at(size: int) -> float:
-            points = curves[size]
-            if width >= points[-1][0]:
-                return points[-1][1] * width / points[-1][0]
-            if width <= points[0][0]:
-                return points[0][1]
-            (x0, y0), (x1, y1) = next((a, b) for a, b in zip(points, points[1:]) if width <= b[0])
-            return y0 + (y1 - y0) * (width - x0) / (x1 - x0)
+            return curves[size].step_time(width)
 
         if rows <= sizes[0]:
             return at(sizes[0])
@@ -128,14 +124,15 @@ def fit_monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
     A forward never gets cheaper with more tokens, so a point that falls below an earlier one is noise, pooled with
     it; single timings on a shared CPU are noisy (a point 37 % high was seen) and the schedulers decide on the
     differences between widths."""
-    pools: list[list[float]] = []  # [mean, count] per pooled run of points
-    for _, y in sorted(points):
-        pools.append([y, 1])
+    ordered = sorted(points)
+    pools: list[tuple[float, int]] = []  # (mean, count) per pooled run of points
+    for _, y in ordered:
+        pools.append((y, 1))
         while len(pools) > 1 and pools[-2][0] > pools[-1][0]:
             (y2, n2), (y1, n1) = pools.pop(), pools.pop()
-            pools.append([(y1 * n1 + y2 * n2) / (n1 + n2), n1 + n2])
-    fitted = [y for y, n in pools for _ in range(int(n))]
-    return [(x, y) for (x, _), y in zip(sorted(points), fitted)]
+            pools.append(((y1 * n1 + y2 * n2) / (n1 + n2), n1 + n2))
+    fitted = [y for y, n in pools for _ in range(n)]
+    return [(x, y) for (x, _), y in zip(ordered, fitted)]
 
 
 def batch_sizes_up_to(rows: int) -> tuple[int, ...]:
