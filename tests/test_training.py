@@ -185,6 +185,54 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
         build_prompts(10, 0, default_eval_dir(), {"poetry": 1.0})
 
 
+def test_the_target_writes_user_requests_of_its_own_and_only_finished_new_clean_ones_are_kept(
+    real_target, capsys, tmp_path
+):
+    from conftest import run_cli
+    from dspark.cli.args import default_eval_dir
+    from dspark.training.self_prompts import rejection, write_user_turns
+    from dspark.training.sources import build_prompts, eval_shingles
+
+    opening, closing = real_target.user_turn_template()
+    text = real_target.tokenizer.decode(opening)
+    assert text.endswith("<|im_start|>user\n") and real_target.tokenizer.decode([closing]) == "<|im_end|>"
+    forbidden = eval_shingles(default_eval_dir())
+    prompts, report = write_user_turns(real_target, 3, 11, forbidden, max_new_tokens=40, batch_size=12)
+    assert len(prompts) == 3 and report["kept"] == 3 and report["samples"] >= 3
+    turns = [p[0] for p in prompts]
+    assert all(t.strip() == t and len(t.split()) >= 4 and "<|im_" not in t for t in turns), turns
+    assert len(set(turns)) == 3
+    assert write_user_turns(real_target, 3, 11, forbidden, max_new_tokens=40, batch_size=12)[0] == prompts  # seeded
+    # what is dropped, and why
+    mt_bench = (default_eval_dir() / "mt-bench.jsonl").read_text().splitlines()[0]
+    copied = json.loads(mt_bench)["turns"][0]
+    assert rejection(copied, "stop", set(), forbidden) == "overlap"
+    assert rejection("Tell me about the sea and", "length", set(), forbidden) == "unfinished"
+    assert rejection("Hi there", "stop", set(), forbidden) == "short"
+    assert rejection("the cat sat down " * 6, "stop", set(), forbidden) == "repetitive"
+    assert rejection("Tell me, about the sea!", "stop", {"tell me about the sea"}, forbidden) == "duplicate"
+    assert rejection("Tell me about the sea", "stop", set(), forbidden) is None
+    # the self source joins the mix through its writer; without one it is refused
+    records, report = build_prompts(
+        8,
+        0,
+        default_eval_dir(),
+        {"math": 0.5, "self": 0.5},
+        lambda n, seed, f: ([["Write a haiku about rain"]] * n, {}),
+    )
+    assert report["counts"]["self"] == 1 and report["counts"]["math"] == 4  # identical written turns kept once
+    with pytest.raises(DSparkError, match="'self' source needs the target"):
+        build_prompts(4, 0, default_eval_dir(), {"self": 1.0})
+    # as a user asks for it
+    out = tmp_path / "self.jsonl"
+    code, err = run_cli(
+        capsys, "prompts", "--out", out, "--count", 2, "--mix", "self=1", "--dtype", "float32", "--self-max-tokens", 64
+    )
+    assert code == 0, err
+    assert json.loads(Path(f"{out}.report.json").read_text())["self_written"]["kept"] == 2
+    assert [r["source"] for r in read_records(out)] == ["self", "self"]
+
+
 def test_code_tasks_come_from_libraries_too_with_their_docstrings_cut_to_summary_and_examples():
     from dspark.cli.args import default_eval_dir
     from dspark.training.sources import LIBRARY_MODULES, _doc_digest, _documented_functions, build_prompts

@@ -230,6 +230,21 @@ class Target:
             raise DSparkError("the prompt is empty; give the model something to answer")
         return prompt_ids(self.tokenizer, messages)
 
+    def user_turn_template(self) -> tuple[list[int], int]:
+        """What the chat template writes around a user's message: the ids before its content (the conversation's
+        opening up to the user turn, a default system turn included) and the first id after it (the token that
+        closes the turn). An instruction-tuned model given only the opening writes a user request of its own."""
+        if not self.tokenizer.chat_template:
+            raise DSparkError(f"{self.name} has no chat template, so it has no user turn to write")
+        mark = "\ue000user\ue001"
+        before, _, after = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": mark}], tokenize=False
+        ).partition(mark)
+        closing = self.tokenizer(after, add_special_tokens=False)["input_ids"]
+        if not after or not closing:
+            raise DSparkError(f"{self.name}'s chat template writes nothing after a user message; its turns cannot end")
+        return self.tokenizer(before, add_special_tokens=False)["input_ids"], closing[0]
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of a raw-text prompt (no chat template), control-token spellings kept as text."""
         if not text.strip():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dspark.cli.args import default_eval_dir, positive_int, prompt_mix
+from dspark.cli.args import add_target_args, default_eval_dir, finite_float, load_target, positive_int, prompt_mix
 from dspark.fsutil import check_output_file
 
 
@@ -19,7 +19,18 @@ def register(sub) -> None:
         type=prompt_mix,
         help="shares per source, e.g. assist=1 or chat=0.18,math=0.39,code=0.39,"
         "instruct=0.04 (default: chat 0.08, assist 0.10, math 0.39, code "
-        "0.39, instruct 0.04)",
+        "0.39, instruct 0.04); library: tasks from numpy, networkx and sympy; self: requests the target "
+        "(--model) writes itself from its chat template",
+    )
+    add_target_args(p)
+    p.add_argument(
+        "--self-temperature",
+        type=finite_float,
+        default=1.0,
+        help="the self source: sampling temperature of the written requests",
+    )
+    p.add_argument(
+        "--self-max-tokens", type=positive_int, default=128, help="the self source: longest request (longer: dropped)"
     )
     p.add_argument(
         "--exclude",
@@ -37,7 +48,16 @@ def run(args) -> int:
     from dspark.training.sources import build_prompts, drop_answered
 
     check_output_file(args.out, "--out")
-    records, report = build_prompts(args.count, args.seed, args.eval_dir, args.mix)
+    write_self = None
+    if (args.mix or {}).get("self"):
+        from dspark.training.self_prompts import write_user_turns
+
+        target = load_target(args)
+
+        def write_self(count, seed, forbidden):
+            return write_user_turns(target, count, seed, forbidden, args.self_temperature, args.self_max_tokens)
+
+    records, report = build_prompts(args.count, args.seed, args.eval_dir, args.mix, write_self)
     if args.exclude:
         kept = drop_answered(records, args.exclude)
         report["excluded_already_answered"] = len(records) - len(kept)

@@ -1,6 +1,6 @@
 """Training prompts that ship offline and never overlap the evaluation sets.
 
-Six sources, the first five mixed like the paper's data (conversation 18 %, math 39 %, code 39 %, instructions 4 %):
+Seven sources, the first five mixed like the paper's data (conversation 18 %, math 39 %, code 39 %, instructions 4 %):
 - chat: opening turns of human conversations from the `chitchat-dataset` package (MIT);
 - assist: assistant requests in the kinds MT-Bench asks (writing, roleplay, extraction, reasoning, STEM and
   humanities), half of them with a follow-up turn, from templates and word lists;
@@ -9,7 +9,8 @@ Six sources, the first five mixed like the paper's data (conversation 18 %, math
 - library: the same kinds of tasks from the public functions of numpy, networkx and sympy (installed with dspark and
   torch), their docstrings cut to the summary and worked examples (a source apart, so that the prompt files of the
   other sources stay what they were for a given seed);
-- instruct: short writing and explanation requests from templates.
+- instruct: short writing and explanation requests from templates;
+- self: requests the target writes itself from its chat template (`self_prompts`; it needs the target loaded).
 Every prompt is checked against the evaluation prompts (8-word shingles) and dropped on any overlap.
 """
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from dspark.errors import DSparkError
 from dspark.fsutil import read_jsonl
 
-MIX = {"chat": 0.08, "assist": 0.10, "math": 0.39, "code": 0.39, "instruct": 0.04, "library": 0.0}
+MIX = {"chat": 0.08, "assist": 0.10, "math": 0.39, "code": 0.39, "instruct": 0.04, "library": 0.0, "self": 0.0}
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 CODE_PREFIX = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
 
@@ -641,8 +642,12 @@ def eval_shingles(eval_dir: Path) -> set[str]:
     return shingles
 
 
-def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None) -> tuple[list[dict], dict]:
-    """`count` prompt records in the given mix, shuffled; returns (records, report of counts and dropped overlaps)."""
+def build_prompts(
+    count: int, seed: int, eval_dir: Path, mix: dict | None = None, write_self=None
+) -> tuple[list[dict], dict]:
+    """`count` prompt records in the given mix, shuffled; returns (records, report of counts and dropped overlaps).
+    write_self(count, seed, forbidden) -> (prompts, report): the writer of the `self` source, needed only when the
+    mix asks for it."""
     forbidden = eval_shingles(eval_dir)
     mix = mix or MIX
     unknown = set(mix) - set(MIX)
@@ -661,7 +666,13 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
         "library": code_prompts(rng, want["library"], _documented_functions(LIBRARY_MODULES, library=True))
         if want.get("library")
         else [],
+        "self": [],
     }
+    written = {}
+    if want.get("self"):  # drawn from the target, not from rng: the other sources' files stay what they were
+        if write_self is None:
+            raise DSparkError("the 'self' source needs the target to write its prompts; none was given")
+        pools["self"], written = write_self(want["self"], seed, forbidden)
     records, dropped, seen = [], {}, set()
     for source, prompts in pools.items():
         for turns in prompts:
@@ -682,7 +693,8 @@ def build_prompts(count: int, seed: int, eval_dir: Path, mix: dict | None = None
             )
     rng.shuffle(records)
     counts = {s: sum(r["source"] == s for r in records) for s in pools}
-    return records, {"requested": count, "counts": counts, "dropped_overlap_or_duplicate": dropped, "seed": seed}
+    report = {"requested": count, "counts": counts, "dropped_overlap_or_duplicate": dropped, "seed": seed}
+    return records, report | ({"self_written": written} if written else {})
 
 
 def drop_answered(records: list[dict], answered_files: list) -> list[dict]:
