@@ -1,8 +1,8 @@
 """User requests the target writes itself, from its own chat template (Magpie, Xu et al. 2024).
 
 Given only the conversation's opening up to a user turn, an instruction-tuned model samples a request of the kind it
-was aligned on; the requests it writes are where its answers (and so the drafter's training signal) come from in
-use, beside the templates of `sources`. Each written turn is kept only if the model closed it itself, it has a few
+was aligned on: requests from its own distribution, beside the templates of `sources`, for the drafter to learn the
+answers to. Each written turn is kept only if the model closed it itself, it has a few
 words, it does not loop, no earlier one says the same, and it shares no 8-word run with the evaluation prompts.
 """
 
