@@ -241,7 +241,7 @@ class Target:
             [{"role": "user", "content": mark}], tokenize=False
         ).partition(mark)
         closing = self.tokenizer(after, add_special_tokens=False)["input_ids"]
-        if not after or not closing:
+        if not closing:
             raise DSparkError(f"{self.name}'s chat template writes nothing after a user message; its turns cannot end")
         return self.tokenizer(before, add_special_tokens=False)["input_ids"], closing[0]
 

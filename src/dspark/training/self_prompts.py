@@ -2,8 +2,8 @@
 
 Given only the conversation's opening up to a user turn, an instruction-tuned model samples a request of the kind it
 was aligned on: requests from its own distribution, beside the templates of `sources`, for the drafter to learn the
-answers to. Each written turn is kept only if the model closed it itself, it has a few
-words, it does not loop, no earlier one says the same, and it shares no 8-word run with the evaluation prompts.
+answers to. Each written turn is kept only if the model closed it itself, it has a few words, it does not loop, no
+earlier one says the same, and it shares no 8-word run with the evaluation prompts.
 """
 
 from __future__ import annotations
@@ -19,9 +19,15 @@ MIN_WORDS = 4
 REPEAT_N = 4  # a turn whose word 4-grams are less than half distinct loops
 
 
+def normalised(text: str) -> str:
+    """The turn's words, lower-cased, one space apart: two turns that say the same read the same."""
+    return " ".join(re.findall(r"\w+", text.lower()))
+
+
 def rejection(text: str, finish_reason: str, seen: set[str], forbidden: set[str]) -> str | None:
-    """Why a written turn is dropped (None: kept)."""
-    words = re.findall(r"\w+", text.lower())
+    """Why a written turn is dropped (None: kept); `seen` holds the `normalised` turns kept so far."""
+    said = normalised(text)
+    words = said.split()
     if finish_reason != "stop":
         return "unfinished"
     if len(words) < MIN_WORDS:
@@ -29,7 +35,7 @@ def rejection(text: str, finish_reason: str, seen: set[str], forbidden: set[str]
     grams = [tuple(words[i : i + REPEAT_N]) for i in range(len(words) - REPEAT_N + 1)]
     if len(grams) >= 8 and len(set(grams)) < len(grams) / 2:
         return "repetitive"
-    if " ".join(words) in seen:
+    if said in seen:
         return "duplicate"
     if overlaps(text, forbidden):
         return "overlap"
@@ -67,7 +73,7 @@ def write_user_turns(
             if reason:
                 dropped[reason] = dropped.get(reason, 0) + 1
             elif len(prompts) < count:
-                seen.add(" ".join(re.findall(r"\w+", text.lower())))
+                seen.add(normalised(text))
                 prompts.append([text])
     unused = drawn - len(prompts) - sum(dropped.values())  # kept-worthy samples past `count`
     return prompts, {"samples": drawn, "kept": len(prompts), "dropped": dropped, "unused": unused}
