@@ -287,7 +287,12 @@ def test_serving_the_real_target_with_the_shipped_drafter(real_target, tmp_path)
         from dspark.bench.serve import round_metrics, scrape
 
         ece = server.metric("dspark_confidence_ece")
-        assert 0 < ece < 1 and round_metrics({}, scrape(server.url))["ece"] == pytest.approx(ece, abs=1e-4)
+        rounds = round_metrics({}, scrape(server.url))
+        assert 0 < ece < 1 and rounds["ece"] == pytest.approx(ece, abs=1e-4)
+        # every round was priced at the flat table's 50 ms and timed: the cost model against the clock
+        priced = server.metric("dspark_scheduled_round_priced_seconds_total")
+        assert priced > 0 and priced == pytest.approx(0.05 * round(priced / 0.05))
+        assert rounds["time_over_price"] > 0
 
 
 def test_shutdown_lets_in_flight_requests_finish(tiny):
@@ -355,6 +360,9 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     # fixed lengths and the threshold draft every round; the schedulers may verify anchors alone
     assert all(r["drafted_share"] == 1 for r in spec if r["policy"] not in bench_serve.SCHEDULED)
     assert all(0 < r["drafted_share"] <= 1 for r in spec)
+    # the schedulers' cost table against the clock, for the rounds they planned (and only theirs)
+    assert all(("time_over_price" in r) == (r["policy"] in bench_serve.SCHEDULED) for r in rows)
+    assert all(r["time_over_price"] > 0 for r in spec if r["policy"] in bench_serve.SCHEDULED)
     seen: list[str] = []
     # A second repetition of all but fixed 3: the first is read back from levels.jsonl, not measured again, and
     # fixed 3's one repetition stays in the report.

@@ -72,7 +72,8 @@ def scrape(url: str) -> dict[tuple, float]:
 
 def round_metrics(before: dict, after: dict) -> dict:
     """What the server's counters say of the rounds between two scrapes: τ, the share of rounds that drafted,
-    predicted against realised tokens per round, and the ECE of the survival estimates of every verified draft."""
+    predicted against realised tokens per round, the ECE of the survival estimates of every verified draft, and the
+    scheduled rounds' wall time against what the cost table priced them at."""
 
     def delta(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -84,6 +85,9 @@ def round_metrics(before: dict, after: dict) -> dict:
         out["tau"] = round((rounds + delta("dspark_accepted_draft_tokens_total")) / rounds, 3)
         out["verified_per_round"] = round(delta("dspark_verified_draft_tokens_total") / rounds, 3)
         out["drafted_share"] = round(delta("dspark_drafted_rounds_total") / rounds, 3)
+    priced = delta("dspark_scheduled_round_priced_seconds_total")
+    if priced:
+        out["time_over_price"] = round(delta("dspark_scheduled_round_seconds_total") / priced, 3)
     realised = delta("dspark_round_tokens_total")
     if realised:
         out["predicted_over_realised"] = round(delta("dspark_predicted_round_tokens_total") / realised, 3)
@@ -259,7 +263,14 @@ def summarise(rows: list[dict]) -> list[dict]:
                 row[key], row[key + "_ci"] = round(mean, 2), None if half is None else round(half, 2)
             for key in ("requests", "tokens", "ttft_p50", "latency_p50", "latency_p95"):
                 row[key] = round(sum(r[key] for r in reps) / len(reps), 3)
-            for key in ("tau", "verified_per_round", "drafted_share", "predicted_over_realised", "ece"):
+            for key in (
+                "tau",
+                "verified_per_round",
+                "drafted_share",
+                "predicted_over_realised",
+                "ece",
+                "time_over_price",
+            ):
                 values = [r[key] for r in reps if key in r]
                 if values:
                     row[key] = round(sum(values) / len(values), 4)

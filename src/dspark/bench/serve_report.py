@@ -34,18 +34,19 @@ def serve_section(run: dict, command: str, plots: dict[str, str]) -> str:
         f"{run['min_requests']} requests or {run['min_tokens']} generated tokens, up to {run['max_tokens']} new "
         f"tokens each, prompts interleaved from {', '.join(run['datasets'])}; {reps} repetition(s), mean ± the "
         "half-width of the 95 % t interval. τ, verified drafts per round, the share of rounds that drafted, "
-        "predicted/realised tokens per round and the ECE of the survival estimates come from the server's /metrics "
-        "over the level.",
+        "predicted/realised tokens per round, the ECE of the survival estimates and the scheduled rounds' wall time "
+        "over what the cost table priced them at come from the server's /metrics over the level.",
         "",
         "| policy | streams | per-user tok/s | aggregate tok/s | TTFT p50 (s) | latency p50 (s) | τ | verified/round "
-        "| drafted | predicted/realised | ECE |",
-        "| --- " * 11 + "|",
+        "| drafted | predicted/realised | ECE | round time/price |",
+        "| --- " * 12 + "|",
     ]
     for r in summary:
         out.append(
             f"| {r['policy']} | {r['concurrency']} | {_pm(r, 'per_user_tps')} | {_pm(r, 'aggregate_tps')} | "
             f"{r['ttft_p50']:.2f} | {r['latency_p50']:.2f} | {_cell(r, 'tau')} | {_cell(r, 'verified_per_round')} | "
-            f"{_cell(r, 'drafted_share', 2)} | {_cell(r, 'predicted_over_realised')} | {_cell(r, 'ece', 3)} |"
+            f"{_cell(r, 'drafted_share', 2)} | {_cell(r, 'predicted_over_realised')} | {_cell(r, 'ece', 3)} | "
+            f"{_cell(r, 'time_over_price')} |"
         )
     out += [
         "",

@@ -32,6 +32,9 @@ class VerifyPolicy(Protocol):
     def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
         """The policy's estimate that drafts 1..k all survive, [batch, γ] (None without a confidence head)."""
 
+    planned_ms: float | None
+    """What the policy's cost table priced the round it last planned, in milliseconds (None: it has no table)."""
+
 
 def confidences(logits: torch.Tensor | None, policy: str, temperatures=None) -> torch.Tensor:
     """c_k = σ(logit_k / T_k) (T = 1 unless calibrated)."""
@@ -52,6 +55,7 @@ class BasePolicy:
     head, scaled by the policy's STS temperatures where it has them."""
 
     temperatures: list[float] | None = None
+    planned_ms: float | None = None
 
     def drafts(self, rows: int) -> bool:
         return True

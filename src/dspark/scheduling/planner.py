@@ -49,6 +49,12 @@ class PrefixScheduler(BasePolicy):
         self.skipped = 0  # rounds since the last drafted one
 
     def drafts(self, rows: int) -> bool:
+        drafts = self._drafts(rows)
+        # Priced now for a round that verifies anchors alone; `lengths` prices a drafted one.
+        self.planned_ms = None if drafts else self.cost.round_time(rows, 1.0, drafted=False)
+        return drafts
+
+    def _drafts(self, rows: int) -> bool:
         if not self.recent or self.drafting_pays(rows):
             self.skipped, self.probe_gap = 0, self.probe_every
             return True
@@ -78,6 +84,11 @@ class PrefixScheduler(BasePolicy):
         self.recent.append(survival)
         return survival
 
+    def planned(self, ell: list[int]) -> torch.Tensor:
+        """ℓ per request as a tensor, the drafted round's price kept in `planned_ms`."""
+        self.planned_ms = self.cost.round_time(len(ell), 1 + sum(ell) / len(ell))
+        return torch.tensor(ell, dtype=torch.long)
+
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         survival = self.observe(confidence_logits)
         # Within a request survival never grows with j, so this order (stable: ties keep j order) admits prefixes.
@@ -94,7 +105,7 @@ class PrefixScheduler(BasePolicy):
             if theta <= best:
                 break
             ell[r], tokens, tau, best = j + 1, tokens + 1, tau + values[idx], theta
-        return torch.tensor(ell, dtype=torch.long)
+        return self.planned(ell)
 
     def describe(self) -> str:
         return "prefix scheduler" + (" (STS-calibrated)" if self.temperatures else "")
@@ -146,7 +157,7 @@ class ProductionScheduler(PrefixScheduler):
             r, j = divmod(idx, gamma)
             if j == ell[r]:
                 ell[r] = j + 1
-        return torch.tensor(ell, dtype=torch.long)
+        return self.planned(ell)
 
     def describe(self) -> str:
         return f"production scheduler (budget from {self.delay} steps back)"

@@ -135,7 +135,12 @@ class EngineLoop:
                 self._fail(subs[0], e)
 
     def _step(self, batch) -> None:
-        for row in self.engine.step(batch, self._emit, on_round=self._on_round):
+        start = time.perf_counter()
+        done = self.engine.step(batch, self._emit, on_round=self._on_round)
+        planned = getattr(self.engine.policy, "planned_ms", None)
+        if planned is not None:
+            self.metrics.record_round_time(time.perf_counter() - start, planned / 1000)
+        for row in done:
             self.metrics.record_stats(row.stats)
             self._finish(self.active.pop(row.request.index), row.request.finish_reason)
 

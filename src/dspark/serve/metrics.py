@@ -62,6 +62,15 @@ class ServerMetrics:
             registry=r,
         )
         self.round_tokens = Counter("dspark_round_tokens", "tokens the same rounds yielded", registry=r)
+        # The cost model against the clock: what the scheduler's cost table priced its rounds at, and how long the
+        # same rounds took (streaming their tokens included). A ratio far from 1 says the table is not this machine's
+        # now (profiled on a quieter host, another configuration), and the scheduler trades drafts at wrong prices.
+        self.round_seconds = Counter(
+            "dspark_scheduled_round_seconds", "wall time of the rounds a cost-aware scheduler planned", registry=r
+        )
+        self.round_priced_seconds = Counter(
+            "dspark_scheduled_round_priced_seconds", "what its cost table priced the same rounds at", registry=r
+        )
         # Reliability of the survival estimates, per draft position k and tenth of [0, 1]: how many verified drafts
         # fell in the bin, the sum of their estimates and how many survived. Differences of these counters between
         # two scrapes give the ECE of that interval (bench serve reports it per concurrency).
@@ -111,6 +120,10 @@ class ServerMetrics:
                 total[b] += value
         if verified:
             self.ece.set(ece_from_bins(*self._bins))
+
+    def record_round_time(self, seconds: float, priced_seconds: float) -> None:
+        self.round_seconds.inc(seconds)
+        self.round_priced_seconds.inc(priced_seconds)
 
     def finished(self, reason: str, seconds: float) -> None:
         self.requests.labels(reason=reason).inc()
