@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_target
+from conftest import tiny_drafter, tiny_target
 from dspark.decoding.plain import generate_plain
 from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
@@ -328,9 +328,9 @@ def test_folded_and_causal_attention_equal_grouped_attention_under_the_mask():
 
 
 # ---- batch invariance: a row's logits do not depend on how many rows or tokens share the forward --------------------
-def invariance_failures(target, prompt_len=200, steps=12, seed=0) -> list[str]:
-    """Rows whose logits differ bitwise between a 1-token step, the same tokens inside one verify block, and the
-    same block inside a ragged batch of two rows; [] when the forward is batch-invariant."""
+def invariance_failures(target, prompt_len=200, steps=12, seed=0, ragged=True) -> list[str]:
+    """Rows whose logits differ bitwise between a 1-token step, the same tokens inside one verify block, and (ragged)
+    the same block inside a ragged batch of two rows; [] when the forward is batch-invariant."""
     g = torch.Generator().manual_seed(seed)
     vocab = min(target.vocab_size, 5000)
     prompt, other = (
@@ -339,7 +339,7 @@ def invariance_failures(target, prompt_len=200, steps=12, seed=0) -> list[str]:
     )
     new = torch.randint(0, vocab, (1, steps), generator=g)
     cache = target.new_cache(1)
-    target.forward(cache, prompt, logits="last")
+    target.prefill(cache, prompt)
     block = target.forward(cache, new).logits[0]
     cache.rollback(cache.lengths - steps)
     failures = [
@@ -352,8 +352,10 @@ def invariance_failures(target, prompt_len=200, steps=12, seed=0) -> list[str]:
         for start in range(0, steps - width + 1, width):
             part = target.forward(cache, new[:, start : start + width]).logits[0]
             failures += [f"block {width} row {j}" for j in range(width) if not torch.equal(part[j], block[start + j])]
+    if not ragged:
+        return failures
     ragged = target.new_cache(2)
-    target.forward(ragged, torch.cat([prompt, other]), torch.tensor([prompt_len, prompt_len - 63]), logits="last")
+    target.prefill(ragged, torch.cat([prompt, other]), torch.tensor([prompt_len, prompt_len - 63]))
     out = target.forward(ragged, torch.cat([new[:, :8], new[:, 4:12]]), torch.tensor([8, 3])).logits[0]
     failures += [f"ragged row {j}" for j in range(8) if not torch.equal(out[j], block[j])]
     return failures
@@ -380,3 +382,72 @@ def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(pre
     elif precision == "bfloat16":
         target.use_packed_weights(False)
     assert invariance_failures(target) == []
+
+
+# ---- the compiled decode step: one graph for every one-row forward ----------------------------------------------------
+@pytest.fixture(scope="module")
+def compiled_tiny(tmp_path_factory):
+    import os
+
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    return tiny_target(hidden=64, dtype=torch.bfloat16).compile()
+
+
+def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
+    from torch._dynamo.utils import counters
+
+    assert counters["stats"]["unique_graphs"] >= 2  # compile() built both graphs (one 64-key group, two)
+    # 58 + 12 tokens: blocks that cross from one 64-key group into the next, as decoding does
+    assert invariance_failures(compiled_tiny, prompt_len=58, ragged=False) == []
+
+
+def test_compiled_speculative_output_is_plain_output(compiled_tiny):
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.decoding.policy import FixedLength
+
+    prompts = [[3, 14, 15, 92, 65], list(range(10, 70))]  # the second crosses into the next 64 keys while decoding
+    engine = SpeculativeEngine(compiled_tiny, tiny_drafter(compiled_tiny), FixedLength())
+    for prompt in prompts:
+        plain = generate_plain(compiled_tiny, [prompt], 24)[0]
+        spec = engine.generate([prompt], 24)[0]
+        assert spec.stats.rounds < len(spec.token_ids)  # drafts were verified, several tokens a forward
+        assert spec.token_ids == plain.token_ids
+
+
+def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(compiled_tiny):
+    eager = tiny_target(hidden=64, dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
+    a, b = eager.new_cache(1), compiled_tiny.new_cache(1)
+    eager.prefill(a, ids[:, :4])
+    compiled_tiny.prefill(b, ids[:, :4])
+    torch.testing.assert_close(
+        compiled_tiny.forward(b, ids[:, 4:]).logits, eager.forward(a, ids[:, 4:]).logits, atol=0.1, rtol=0.05
+    )
+    two = compiled_tiny.new_cache(2)
+    compiled_tiny.prefill(two, ids.expand(2, -1))
+    with pytest.raises(DSparkError, match="one request at a time"):
+        compiled_tiny.forward(two, ids[:, :2].expand(2, -1))
+
+
+def test_compiling_needs_a_batch_invariant_target():
+    with pytest.raises(DSparkError, match="--compile needs batch-invariant attention"):
+        tiny_target().compile()  # float32
+
+
+@pytest.mark.real
+def test_the_compiled_real_target_decodes_losslessly_in_int4():
+    from dspark.assets import eval_prompts, shipped_drafter
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+    from dspark.decoding.policy import FixedLength
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").compile()
+    assert invariance_failures(target, ragged=False) == []
+    engine = SpeculativeEngine(target, load_drafter(shipped_drafter(target.name), target), FixedLength())
+    prompt = target.encode_chat(eval_prompts("gsm8k", 1)[0])
+    spec = engine.generate([prompt], 64)[0]
+    assert spec.stats.tau > 1.3
+    assert spec.token_ids == generate_plain(target, [prompt], 64)[0].token_ids

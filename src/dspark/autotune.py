@@ -170,6 +170,7 @@ def cached_cost_table(
     # The product forms, the batch sizes and the drafter's shape are part of the key: a table measured otherwise
     # would not fit.
     form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
+    form += "-compiled" if target.decoder.compiled is not None else ""
     rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
     drafting = [] if drafter is None else ["draft" + drafter_shape_key(drafter)]
     path = machine_cache_file("costs", target.name, target.precision, form, *rows, *drafting)

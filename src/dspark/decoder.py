@@ -320,7 +320,7 @@ def linear(
         out = (weight @ x.reshape(rows, -1).T).T
     else:
         return F.linear(x, weight, bias)
-    out = out.view(*x.shape[:-1], -1)
+    out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias
 
 
@@ -404,6 +404,27 @@ class LeanDecoder:
         self.pack(False)
         # A quantized decoder reads prompts with the float matrices (see quantize); None: prompts read like the rest.
         self.prefill_weights: list[dict] | None = None
+        self.compiled = None  # the one-row decode step as one compiled graph (compile), or eager
+
+    @property
+    def compilable(self) -> bool:
+        """Whether this model's decode step can run as one compiled graph: batch-invariant attention (a CPU in
+        bfloat16 or int4) without Gemma 2's soft-capping or sliding windows."""
+        return self.batch_invariant and not self.softcap and "sliding_attention" not in self.layer_types
+
+    def compile(self) -> None:
+        """Run every decode forward of one row (a plain step, a verify block; not a prefill) as one graph compiled
+        by inductor: a step's ~6,000 small framework calls and the Python between them are what an eager step
+        spends beyond its weight stream. The graph's kernels round differently from the eager ones, so a compiled
+        decoder refuses batches of several rows rather than mix the two; within it a row's output does not depend
+        on how many tokens the forward carries (one graph for every width, its token count symbolic)."""
+        if not self.compilable:
+            raise DSparkError(
+                "--compile needs batch-invariant attention: bfloat16 or int4 on a CPU, without soft-capping or "
+                "sliding windows; run without --compile"
+            )
+        if self.compiled is None:
+            self.compiled = torch.compile(self._one_row_layers, fullgraph=True, dynamic=False)
 
     def quantize(self, bits: int) -> float:
         """Weight-only int8 or 4-bit (quantized_weight) for every matrix of every layer (the embedding lookup stays as
@@ -451,6 +472,8 @@ class LeanDecoder:
         states [B, W, d] and the outputs of the `capture` layers. prefill: the rows are prompts (a quantized decoder
         multiplies them by its float matrices)."""
         batch, width = input_ids.shape
+        if self.compiled is not None and not prefill:
+            return self.compiled_forward(cache, input_ids, num_new, capture)
         slots = cache.open(width)
         positions = slots.positions
         upto = int(positions[:, -1].max()) + 1
@@ -520,3 +543,78 @@ class LeanDecoder:
                 captured[i] = x
         cache.advance(num_new)
         return padded(norm(x, self.final_norm, eps)), [padded(captured[i]) for i in capture]
+
+    def compiled_forward(
+        self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor, capture: list[int]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward` of one row through the compiled graph: the attention plan, rotary angles and embedding are
+        computed here, everything per layer inside it."""
+        batch, width = input_ids.shape
+        if batch != 1 or int(num_new[0]) != width:
+            raise DSparkError(
+                "a compiled target decodes one request at a time (its kernels round unlike the eager ones that a "
+                "batch of several rows would run); run without --compile to batch requests"
+            )
+        # Room past the last key any query reads: a read that ends at the cache's end would be a different graph.
+        cache.reserve(width + GRANULE)
+        slots = cache.open(width)
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(x, slots.positions)
+        written = slots.positions[0]
+        plan = [
+            (g.padded, None if g.cols is None else g.cols.clone(), g.mask)
+            for g in plan_buckets(slots.positions, self.heads // self.kv_heads, x.dtype)
+        ]
+        # Every size that changes from call to call is symbolic, 1 included (unbacked), and no two are assumed equal
+        # because they happen to be: one graph for a block of keys read by every query, one for a block that
+        # crosses into the next (compile).
+        for t in (x, cos, sin):
+            torch._dynamo.decorators.mark_unbacked(t, 1)
+        torch._dynamo.decorators.mark_unbacked(written, 0)
+        keys, values = list(cache.k.unbind(0)), list(cache.v.unbind(0))
+        for padded, cols, mask in plan:
+            for t, dim in ((padded, 0), (mask, 2), (mask, 3)):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
+            if cols is not None:
+                torch._dynamo.decorators.mark_unbacked(cols, 0)
+        for t in keys + values:
+            torch._dynamo.maybe_mark_dynamic(t, 2)  # the cache's capacity grows
+        hidden, outputs = self.compiled(x, cos, sin, written, keys, values, plan)
+        cache.advance(num_new)
+        return hidden, [outputs[i] for i in capture]
+
+    def _one_row_layers(self, x, cos, sin, slots, keys, values, plan):
+        """The layers over one row's new tokens x [1, W, d] at cache slots `slots` [W] (keys/values: each layer's
+        cache, written in place), attention as `bucketed_attention` plans it: per group, the query columns sent to
+        SDPA (padded), the columns it answers (cols, None: all) and its mask. Returns the final normed hidden states
+        and every layer's output (any of them may be a drafter's feature; they exist anyway, and one graph serves
+        every choice). Compiled by `compile`."""
+        _, width, _ = x.shape
+        q_size, qk_heads = self.heads * self.head_dim, self.heads + self.kv_heads
+        outputs = []
+        for i, p in enumerate(self.layers):
+            h = self.norm(x, p["in_norm"], self.eps)
+            qkv = linear(h, p["qkv_w"], p["qkv_b"]).view(1, width, -1, self.head_dim).transpose(1, 2)
+            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+            if p["q_norm"] is None:
+                q, k = rotate(qkv[:, :qk_heads], cos, sin).split([self.heads, self.kv_heads], dim=1)
+            else:
+                q = rotate(self.norm(q, p["q_norm"], self.eps), cos, sin)
+                k = rotate(self.norm(k, p["k_norm"], self.eps), cos, sin)
+            keys[i].index_copy_(2, slots, k)
+            values[i].index_copy_(2, slots, v)
+            out = q.new_empty(q.shape)
+            for padded, cols, mask in plan:
+                end = mask.shape[-1]
+                part = folded_attention(q[:, :, padded], keys[i][:, :, :end], values[i][:, :, :end], mask, self.scaling)
+                if cols is None:
+                    out = part[:, :, :width]
+                else:
+                    out[:, :, cols] = part[:, :, : cols.shape[0]]
+            out = linear(out.transpose(1, 2).reshape(1, width, q_size), p["o_w"], p["o_b"])
+            x = x + (out if p["attn_out_norm"] is None else self.norm(out, p["attn_out_norm"], self.eps))
+            gate, up = linear(self.norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
+            out = linear(self.act(gate) * up, p["down"])
+            x = x + (out if p["mlp_out_norm"] is None else self.norm(out, p["mlp_out_norm"], self.eps))
+            outputs.append(x)
+        return self.norm(x, self.final_norm, self.eps), outputs

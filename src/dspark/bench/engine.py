@@ -121,10 +121,10 @@ def run_engine_bench(
     repeats: int = 7,
     bandwidth_gib: float = 0.5,
     progress=print,
+    compiled: bool = False,
 ) -> dict:
+    """compiled: also each precision's target compiled (Target.compile), its forward and decoding rows labelled so."""
     from dspark.autotune import tune
-    from dspark.drafter import load_drafter
-    from dspark.scheduling.planner import build_scheduler
     from dspark.scheduling.profile import profile_target
     from dspark.target import Target, load_precision
 
@@ -178,36 +178,66 @@ def run_engine_bench(
             progress(f"{dtype} {engine}: {times}")
         run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
 
-        drafter = load_drafter(drafter_path, target)
-        engines = {
-            "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-            "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
-        }
-        warm = target.encode_chat("Hi!")
-        for e in engines.values():
-            e.generate([warm], 4)
-        generate_plain(target, [warm], 4)
-        for name in datasets:
-            ids = target.encode_chat(eval_prompts(name, 1)[0])
-            plain = generate_plain(target, [ids], max_new_tokens)[0]
-            row = {
-                "dtype": dtype,
-                "dataset": name,
-                "ours": round(plain.tokens_per_s, 2),
-                "same as float32": common_prefix(plain.token_ids, reference[name]),
-            }
-            if not target.quantized:
-                hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
-                row["hf"] = round(len(hf_tokens) / seconds, 2)
-            if llm is not None and dtype == dtypes[0]:
-                count, seconds = llama_generate(llm, ids, max_new_tokens)
-                row["llama.cpp"] = round(count / seconds, 2)
-            for label, e in engines.items():
-                result = e.generate([ids], max_new_tokens)[0]
-                row[label] = round(result.tokens_per_s, 2)
-                row[f"{label} tau"] = round(result.stats.tau, 2)
-                row[f"{label} identical"] = result.token_ids == plain.token_ids
-            run["decode"].append(row)
-            progress(str(row))
-        del target, drafter, engines
+        decode_rows(
+            run,
+            target,
+            dtype,
+            drafter_path,
+            datasets,
+            max_new_tokens,
+            reference,
+            llm if dtype == dtypes[0] else None,
+            progress,
+        )
+        if compiled and target.decoder.compilable:
+            target.compile()
+            ours = profile_target(target, counts, context, repeats)
+            times = dict(zip(ours.token_counts, ours.step_time_ms))
+            run["forward"].append(
+                {"dtype": dtype, "engine": "ours, compiled", "ms": {str(n): ms for n, ms in times.items()}}
+            )
+            progress(f"{dtype} ours, compiled: {times}")
+            decode_rows(
+                run, target, f"{dtype}, compiled", drafter_path, datasets, max_new_tokens, reference, None, progress
+            )
+        del target
     return run
+
+
+def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, reference, llm, progress) -> None:
+    """Plain and DSpark tokens/s (fixed γ and scheduled) on the first prompt of each set, with HF for an unquantized
+    eager target and llama.cpp when given, one row per set in run["decode"]."""
+    from dspark.drafter import load_drafter
+    from dspark.scheduling.planner import build_scheduler
+
+    drafter = load_drafter(drafter_path, target)
+    engines = {
+        "dspark": SpeculativeEngine(target, drafter, FixedLength()),
+        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
+    }
+    warm = target.encode_chat("Hi!")
+    for e in engines.values():
+        e.generate([warm], 4)
+    generate_plain(target, [warm], 4)
+    for name in datasets:
+        ids = target.encode_chat(eval_prompts(name, 1)[0])
+        plain = generate_plain(target, [ids], max_new_tokens)[0]
+        row = {
+            "dtype": label,
+            "dataset": name,
+            "ours": round(plain.tokens_per_s, 2),
+            "same as float32": common_prefix(plain.token_ids, reference[name]),
+        }
+        if not target.quantized and target.decoder.compiled is None:
+            hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
+            row["hf"] = round(len(hf_tokens) / seconds, 2)
+        if llm is not None:
+            count, seconds = llama_generate(llm, ids, max_new_tokens)
+            row["llama.cpp"] = round(count / seconds, 2)
+        for engine_name, e in engines.items():
+            result = e.generate([ids], max_new_tokens)[0]
+            row[engine_name] = round(result.tokens_per_s, 2)
+            row[f"{engine_name} tau"] = round(result.stats.tau, 2)
+            row[f"{engine_name} identical"] = result.token_ids == plain.token_ids
+        run["decode"].append(row)
+        progress(str(row))

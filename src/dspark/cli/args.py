@@ -34,6 +34,15 @@ def add_target_args(p: argparse.ArgumentParser, auto_dtype: bool = True) -> None
     p.add_argument("--threads", type=threads, default=0, help="torch CPU threads (0 = torch's default)")
 
 
+def add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="decode through one graph compiled by inductor (bfloat16 or int4 on a CPU; one request at a time): a "
+        "faster step, compiled once per machine (minutes), then loaded in seconds",
+    )
+
+
 def add_drafter_output_args(p: argparse.ArgumentParser) -> None:
     """What export and import share: --overwrite for their output folder, and the target the drafter is for."""
     p.add_argument(
@@ -177,7 +186,11 @@ def load_target(args, layer_ids=None):
         choice = choose_precision(args.model, load)
         args.dtype = choice.dtype
         print(f"dspark: precision {choice.dtype}: {choice.reason} (--dtype overrides)", file=sys.stderr)
-    return load(args.dtype)
+    target = load(args.dtype)
+    if getattr(args, "compile", False):
+        print(f"dspark: compiling the {args.dtype} decode step (minutes the first time on a machine)", file=sys.stderr)
+        target.compile()
+    return target
 
 
 def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, ...] = (1,), drafter=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dspark.cli.args import (
+    add_compile_arg,
     add_target_args,
     check_drafter_arg,
     check_given_files,
@@ -16,6 +17,7 @@ from dspark.errors import DSparkError
 def register(sub) -> None:
     p = sub.add_parser("demo", help="plain vs DSpark side by side with the shipped drafter")
     add_target_args(p)
+    add_compile_arg(p)
     p.add_argument("--drafter", help="drafter checkpoint (default: the one shipped for --model)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench"])
     p.add_argument("--per-set", type=positive_int, default=1)

@@ -6,6 +6,7 @@ import json
 import sys
 
 from dspark.cli.args import (
+    add_compile_arg,
     add_policy_args,
     add_sampling_args,
     add_target_args,
@@ -23,6 +24,7 @@ def register(sub) -> None:
     p = sub.add_parser("generate", help="answer one chat prompt, streaming text, plain or speculative")
     p.add_argument("prompt")
     add_target_args(p)
+    add_compile_arg(p)
     add_sampling_args(p)
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
     p.add_argument(

@@ -25,6 +25,11 @@ def register(sub) -> None:
     p.add_argument("--drafter", help="drafter for the DSpark rows (default: the shipped one)")
     p.add_argument("--datasets", nargs="+", default=["humaneval", "gsm8k", "mt-bench", "mbpp", "math500"])
     p.add_argument("--max-new-tokens", type=positive_int, default=96)
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run each precision that can be compiled (bfloat16, int4) through its compiled decode step",
+    )
     add_output_args(p)
     p.set_defaults(func=run)
 
@@ -44,6 +49,7 @@ def run(args) -> int:
         args.datasets,
         args.max_new_tokens,
         progress=lambda line: print(line, file=sys.stderr),
+        compiled=args.compile,
     )
     publish(
         run,
