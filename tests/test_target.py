@@ -390,7 +390,7 @@ def compiled_tiny(tmp_path_factory):
     import os
 
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-    return tiny_target(hidden=64, dtype=torch.bfloat16).compile()
+    return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
 
 
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
@@ -416,7 +416,7 @@ def test_compiled_speculative_output_is_plain_output(compiled_tiny):
 
 
 def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(compiled_tiny):
-    eager = tiny_target(hidden=64, dtype=torch.bfloat16)
+    eager = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
     a, b = eager.new_cache(1), compiled_tiny.new_cache(1)
     eager.prefill(a, ids[:, :4])
@@ -430,9 +430,10 @@ def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(comp
         compiled_tiny.forward(two, ids[:, :2].expand(2, -1))
 
 
-def test_compiling_needs_a_batch_invariant_target():
-    with pytest.raises(DSparkError, match="--compile needs batch-invariant attention"):
-        tiny_target().compile()  # float32
+def test_compiling_needs_an_int4_target():
+    for target in (tiny_target(), tiny_target(hidden=64, dtype=torch.bfloat16)):
+        with pytest.raises(DSparkError, match="--compile runs int4 targets"):
+            target.compile()
 
 
 @pytest.mark.real

@@ -408,9 +408,15 @@ class LeanDecoder:
 
     @property
     def compilable(self) -> bool:
-        """Whether this model's decode step can run as one compiled graph: batch-invariant attention (a CPU in
-        bfloat16 or int4) without Gemma 2's soft-capping or sliding windows."""
-        return self.batch_invariant and not self.softcap and "sliding_attention" not in self.layer_types
+        """Whether this model's decode step can run as one compiled graph: int4 layers (bfloat16's packed oneDNN
+        weights are opaque to inductor unless frozen into the graph) and batch-invariant attention without Gemma 2's
+        soft-capping or sliding windows."""
+        return (
+            isinstance(self.layers[0]["qkv_w"], Int4Weight)
+            and self.batch_invariant
+            and not self.softcap
+            and "sliding_attention" not in self.layer_types
+        )
 
     def compile(self) -> None:
         """Run every decode forward of one row (a plain step, a verify block; not a prefill) as one graph compiled
@@ -420,8 +426,8 @@ class LeanDecoder:
         on how many tokens the forward carries (one graph for every width, its token count symbolic)."""
         if not self.compilable:
             raise DSparkError(
-                "--compile needs batch-invariant attention: bfloat16 or int4 on a CPU, without soft-capping or "
-                "sliding windows; run without --compile"
+                "--compile runs int4 targets on a CPU (--dtype int4; not soft-capped or sliding-window attention); "
+                "run without --compile or with --dtype int4"
             )
         if self.compiled is None:
             self.compiled = torch.compile(self._one_row_layers, fullgraph=True, dynamic=False)

@@ -189,7 +189,9 @@ def run_engine_bench(
             llm if dtype == dtypes[0] else None,
             progress,
         )
-        if compiled and target.decoder.compilable:
+        if compiled and not target.decoder.compilable:
+            progress(f"{dtype}: no compiled step (--compile runs int4)")
+        elif compiled:
             target.compile()
             ours = profile_target(target, counts, context, repeats)
             times = dict(zip(ours.token_counts, ours.step_time_ms))

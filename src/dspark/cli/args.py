@@ -38,7 +38,7 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="decode through one graph compiled by inductor (bfloat16 or int4 on a CPU; one request at a time): a "
+        help="decode through one graph compiled by inductor (int4 on a CPU; one request at a time): a "
         "faster step, compiled once per machine (minutes), then loaded in seconds",
     )
 

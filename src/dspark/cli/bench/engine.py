@@ -28,7 +28,7 @@ def register(sub) -> None:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="also run each precision that can be compiled (bfloat16, int4) through its compiled decode step",
+        help="also run int4 through its compiled decode step (`--compile`)",
     )
     add_output_args(p)
     p.set_defaults(func=run)
