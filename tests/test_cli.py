@@ -77,6 +77,7 @@ def test_the_shipped_drafter_in_bfloat16_gives_plain_output_token_for_token(real
         (["generate", "hi", "--compare-plain"], "add --drafter"),
         (["generate", "hi", "--drafter", "/nonexistent"], "not a drafter checkpoint"),
         (["generate", "hi", "--temperature", "-1"], "temperature must be"),
+        (["generate", "hi", "--dtype", "bfloat16", "--compile"], "--compile runs int4 targets"),
     ],
 )
 def test_bad_input_exits_2_with_a_clear_message(args, message):

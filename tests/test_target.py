@@ -389,7 +389,7 @@ def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(pre
 def compiled_tiny(tmp_path_factory):
     import os
 
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))  # not the user's cache
     return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
 
 

@@ -303,7 +303,11 @@ class Target:
         (a block read by every query, and one that crosses into the next 64 keys): minutes the first time on a
         machine, then seconds, as inductor's kernels are kept in the dspark cache. Plain and speculative decoding
         of the compiled target agree token for token; its logits differ from the eager target's in the last bits."""
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(models.cache_dir() / "inductor"))
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        # Inductor's default lives in the system's temporary folder; a folder the user chose is kept.
+        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
         self.decoder.compile()
         cache = self.new_cache(1)
         ids = torch.zeros(1, GRANULE, dtype=torch.long, device=self.device)

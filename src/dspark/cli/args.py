@@ -175,6 +175,8 @@ def load_target(args, layer_ids=None):
     from dspark.target import load_precision
 
     setup_torch(args)
+    if getattr(args, "compile", False) and args.dtype not in ("auto", "int4"):
+        raise DSparkError(f"--compile runs int4 targets, not {args.dtype}; pass --dtype int4 or leave out --compile")
     loaded = {}  # a precision timed for `auto` is the target returned: loaded and tuned once
 
     def load(precision):
