@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_target
+from dspark.target import Target
 
 
 def test_profile_measures_every_batch_shape_on_rows_of_different_lengths(monkeypatch):
@@ -76,7 +77,6 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     from dspark.bench.engine import run_engine_bench
     from dspark.bench.report import engine_plot, engine_section
     from dspark.bench.run import machine_info
-    from dspark.target import Target
 
     def transposed(self, repeats=3):  # as on a machine where the transposed few-row form measured faster
         self.decoder.few_rows_transposed = True
@@ -109,6 +109,37 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     text = engine_section(run, "dspark bench-engine", "engine.png")
     assert "| float32 | ours |" in text and "bandwidth bound" in text and "dspark+sched" in text
     assert engine_plot(run, tmp_path / "engine.png").stat().st_size > 1000
+
+
+def test_engine_bench_races_the_compiled_int4_step_beside_the_eager_one(tiny_run, tmp_path, monkeypatch):
+    from dspark.bench.engine import run_engine_bench
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    folder, _ = tiny_run
+    target = Target.load(str(folder))
+    tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
+    evalset = tmp_path / "evalset.jsonl"
+    evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
+    lines = []
+    run = run_engine_bench(
+        str(folder),
+        ["int4", "bfloat16"],
+        tmp_path / "drafter",
+        [str(evalset)],
+        6,
+        counts=(1, 2),
+        context=8,
+        repeats=1,
+        bandwidth_gib=0.01,
+        progress=lines.append,
+        compiled=True,
+    )
+    assert ("int4", "ours, compiled") in {(r["dtype"], r["engine"]) for r in run["forward"]}
+    compiled = [r for r in run["decode"] if r["dtype"] == "int4, compiled"]
+    assert len(compiled) == 1 and compiled[0]["ours"] > 0
+    assert compiled[0]["dspark identical"] and compiled[0]["dspark+sched identical"]
+    assert "bfloat16: no compiled step (--compile runs int4)" in lines  # said, not silently skipped
 
 
 def test_int4_weights_recover_a_q4_1_grid_exactly():

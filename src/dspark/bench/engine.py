@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 
 from dspark.assets import eval_prompts
-from dspark.bench.run import common_prefix, hf_generate
-from dspark.decoding.engine import SpeculativeEngine
+from dspark.bench.run import common_prefix, hf_generate, warm_dspark_engines
 from dspark.decoding.plain import generate_plain
-from dspark.decoding.policy import FixedLength
 from dspark.sampling import SamplingParams
 
 
@@ -210,17 +208,9 @@ def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, refe
     """Plain and DSpark tokens/s (fixed γ and scheduled) on the first prompt of each set, with HF for an unquantized
     eager target and llama.cpp when given, one row per set in run["decode"]."""
     from dspark.drafter import load_drafter
-    from dspark.scheduling.planner import build_scheduler
 
-    drafter = load_drafter(drafter_path, target)
-    engines = {
-        "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
-    }
-    warm = target.encode_chat("Hi!")
-    for e in engines.values():
-        e.generate([warm], 4)
-    generate_plain(target, [warm], 4)
+    engines = warm_dspark_engines(target, load_drafter(drafter_path, target), drafter_path)
+    generate_plain(target, [target.encode_chat("Hi!")], 4)
     for name in datasets:
         ids = target.encode_chat(eval_prompts(name, 1)[0])
         plain = generate_plain(target, [ids], max_new_tokens)[0]

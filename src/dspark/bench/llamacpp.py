@@ -140,10 +140,8 @@ def run_llama_cpp_bench(
     {tok_s, tau, identical}; `identical` compares with the same runtime's plain output, and llama.cpp's plain output
     on float32 weights is compared with ours (`same_as_ours`)."""
     from dspark.assets import eval_prompts
-    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.bench.run import warm_dspark_engines
     from dspark.decoding.plain import generate_plain
-    from dspark.decoding.policy import FixedLength
-    from dspark.scheduling.planner import build_scheduler
 
     check_tools(bin_dir)
     out, err = _run([str(bin_dir / "llama-completion"), "--version"], timeout=60)
@@ -151,13 +149,7 @@ def run_llama_cpp_bench(
         (line.split("version:")[1].strip() for line in (out + err).splitlines() if "version:" in line), "unknown"
     )
     gamma = drafter.block_size
-    engines = {
-        "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
-    }
-    warm = target.encode_chat("Hi!")
-    for engine in engines.values():
-        engine.generate([warm], 4)
+    engines = warm_dspark_engines(target, drafter, drafter_path)
     draft = ["-md", str(draft_gguf), "--spec-type", "draft-dspark", "--spec-draft-n-max", str(gamma)]
     llama_methods = {
         "ngram": ["--spec-type", "ngram-simple"],
