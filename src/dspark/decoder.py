@@ -430,6 +430,8 @@ class LeanDecoder:
                 "run without --compile or with --dtype int4"
             )
         if self.compiled is None:
+            # Static unless marked (compiled_forward): with automatic dynamic shapes, a second model compiled in the
+            # same process made the first one's weight shapes symbolic, and inductor's code for it failed.
             self.compiled = torch.compile(self._one_row_layers, fullgraph=True, dynamic=False)
 
     def quantize(self, bits: int) -> float:
@@ -567,13 +569,14 @@ class LeanDecoder:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x, slots.positions)
         written = slots.positions[0]
+        # cols cloned: as a view of nonzero's output it would tie the graph to its base's size.
         plan = [
             (g.padded, None if g.cols is None else g.cols.clone(), g.mask)
             for g in plan_buckets(slots.positions, self.heads // self.kv_heads, x.dtype)
         ]
-        # Every size that changes from call to call is symbolic, 1 included (unbacked), and no two are assumed equal
-        # because they happen to be: one graph for a block of keys read by every query, one for a block that
-        # crosses into the next (compile).
+        # Every size that changes from call to call is marked symbolic: the width (1 included, so unbacked), the
+        # query groups' sizes and key ends, the cache's capacity. The number of groups is not: one graph for a block
+        # whose queries read one 64-key group, one for a block that crosses into the next.
         for t in (x, cos, sin):
             torch._dynamo.decorators.mark_unbacked(t, 1)
         torch._dynamo.decorators.mark_unbacked(written, 0)

@@ -301,7 +301,8 @@ class Target:
         """Decode forwards of one request through one graph compiled by inductor (LeanDecoder.compile): a one-token
         step without the eager framework's ~6,000 small calls. Compiles now, both graphs the decoding loop needs
         (a block read by every query, and one that crosses into the next 64 keys): minutes the first time on a
-        machine, then seconds, as inductor's kernels are kept in the dspark cache. Plain and speculative decoding
+        machine, then about half a minute (the graphs are traced again; inductor's kernels are kept in the dspark
+        cache). Plain and speculative decoding
         of the compiled target agree token for token; its logits differ from the eager target's in the last bits."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -312,9 +313,9 @@ class Target:
         cache = self.new_cache(1)
         ids = torch.zeros(1, GRANULE, dtype=torch.long, device=self.device)
         self.prefill(cache, ids[:, : GRANULE - 1])
-        self.forward(cache, ids[:, :1])  # slot 63: keys 0-63 for every query
+        self.forward(cache, ids[:, :1])  # the first group's last slot: every query reads one group of keys
         cache.rollback(cache.lengths - 1)
-        self.forward(cache, ids[:, :2])  # slots 63-64: keys 0-63 for one query, 0-127 for the other
+        self.forward(cache, ids[:, :2])  # that slot and the next group's first: two groups
         return self
 
     @property

@@ -39,7 +39,7 @@ def add_compile_arg(p: argparse.ArgumentParser) -> None:
         "--compile",
         action="store_true",
         help="decode through one graph compiled by inductor (int4 on a CPU; one request at a time): a "
-        "faster step, compiled once per machine (minutes), then loaded in seconds",
+        "faster step, compiled once per machine (minutes), then loaded in about half a minute",
     )
 
 
