@@ -73,8 +73,31 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, we
     assert precision.choose_precision("tiny", load) == choice and len(loads) == 3  # cached per machine
 
 
-def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
+def tiny_engine_bench(tiny_run, tmp_path, dtypes, progress=lambda _: None, **options) -> dict:
+    """`bench engine` on the tiny regenerated target with a tiny drafter, one prompt, the smallest settings."""
     from dspark.bench.engine import run_engine_bench
+
+    folder, _ = tiny_run
+    target = Target.load(str(folder))
+    tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
+    evalset = tmp_path / "evalset.jsonl"
+    evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
+    return run_engine_bench(
+        str(folder),
+        dtypes,
+        tmp_path / "drafter",
+        [str(evalset)],
+        6,
+        counts=(1, 2),
+        context=8,
+        repeats=1,
+        bandwidth_gib=0.01,
+        progress=progress,
+        **options,
+    )
+
+
+def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     from dspark.bench.report import engine_plot, engine_section
     from dspark.bench.run import machine_info
 
@@ -83,23 +106,7 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
         return self
 
     monkeypatch.setattr("dspark.autotune.choose_product_forms", transposed)
-    folder, _ = tiny_run
-    target = Target.load(str(folder))
-    tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
-    evalset = tmp_path / "evalset.jsonl"
-    evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
-    run = run_engine_bench(
-        str(folder),
-        ["float32"],
-        tmp_path / "drafter",
-        [str(evalset)],
-        6,
-        counts=(1, 2),
-        context=8,
-        repeats=1,
-        bandwidth_gib=0.01,
-        progress=lambda _: None,
-    )
+    run = tiny_engine_bench(tiny_run, tmp_path, ["float32"])
     assert run["llama_cpp"] is None  # a local folder ships no GGUF
     engines = {r["engine"] for r in run["forward"]}
     assert engines == {"ours", "ours, F.linear on few rows", "hf", "bandwidth bound"}  # the replaced form beside
@@ -112,29 +119,10 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
 
 
 def test_engine_bench_races_the_compiled_int4_step_beside_the_eager_one(tiny_run, tmp_path, monkeypatch):
-    from dspark.bench.engine import run_engine_bench
-
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    folder, _ = tiny_run
-    target = Target.load(str(folder))
-    tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
-    evalset = tmp_path / "evalset.jsonl"
-    evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
-    lines = []
-    run = run_engine_bench(
-        str(folder),
-        ["int4", "bfloat16"],
-        tmp_path / "drafter",
-        [str(evalset)],
-        6,
-        counts=(1, 2),
-        context=8,
-        repeats=1,
-        bandwidth_gib=0.01,
-        progress=lines.append,
-        compiled=True,
-    )
+    lines: list[str] = []
+    run = tiny_engine_bench(tiny_run, tmp_path, ["int4", "bfloat16"], progress=lines.append, compiled=True)
     assert ("int4", "ours, compiled") in {(r["dtype"], r["engine"]) for r in run["forward"]}
     compiled = [r for r in run["decode"] if r["dtype"] == "int4, compiled"]
     assert len(compiled) == 1 and compiled[0]["ours"] > 0

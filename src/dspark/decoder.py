@@ -518,7 +518,7 @@ class LeanDecoder:
             t: self.rotary(x, positions, t) if self.rope_per_type else self.rotary(x, positions)
             for t in set(self.layer_types)
         }
-        q_size, qk_heads = self.heads * self.head_dim, self.heads + self.kv_heads
+        q_size = self.heads * self.head_dim
         norm, eps = self.norm, self.eps
         project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed)
         wanted, captured = set(capture), {}
@@ -529,11 +529,7 @@ class LeanDecoder:
             mask = masks[self.layer_types[i]]
             h = norm(x, p["in_norm"], eps)
             qkv = padded(project(h, w["qkv_w"], p["qkv_b"])).view(batch, width, -1, self.head_dim).transpose(1, 2)
-            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-            if p["q_norm"] is None:  # one rotary pass for queries and keys
-                q, k = rotate(qkv[:, :qk_heads], cos, sin).split([self.heads, self.kv_heads], dim=1)
-            else:  # Qwen3 and Gemma 3 norm every query and key head first
-                q, k = rotate(norm(q, p["q_norm"], eps), cos, sin), rotate(norm(k, p["k_norm"], eps), cos, sin)
+            q, k, v = self._queries_keys(qkv, p, cos, sin)
             cache.write(i, k, v, slots)
             if groups is not None:
                 out = bucketed_attention(q, cache.k[i], cache.v[i], groups, self.scaling)
@@ -542,15 +538,31 @@ class LeanDecoder:
             else:
                 out = attention(q, *cache.view(i, upto), mask, self.scaling, causal=causal and mask is None)
             out = out.transpose(1, 2).reshape(batch, width, q_size)
-            out = project(out if real is None else out[real], w["o_w"], p["o_b"])
-            x = x + (out if p["attn_out_norm"] is None else norm(out, p["attn_out_norm"], eps))
-            gate, up = project(norm(x, p["post_norm"], eps), w["gate_up"]).chunk(2, dim=-1)
-            out = project(self.act(gate) * up, w["down"])
-            x = x + (out if p["mlp_out_norm"] is None else norm(out, p["mlp_out_norm"], eps))
+            x = self._after_attention(x, out if real is None else out[real], p, w, project)
             if i in wanted:
                 captured[i] = x
         cache.advance(num_new)
         return padded(norm(x, self.final_norm, eps)), [padded(captured[i]) for i in capture]
+
+    def _queries_keys(self, qkv: torch.Tensor, p: dict, cos, sin):
+        """A layer's queries, keys and values from its q/k/v product [B, heads, W, hd], queries and keys roped (in
+        one pass; Qwen3 and Gemma 3 norm every query and key head first)."""
+        q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
+        if p["q_norm"] is None:
+            q, k = rotate(qkv[:, : self.heads + self.kv_heads], cos, sin).split([self.heads, self.kv_heads], dim=1)
+        else:
+            q = rotate(self.norm(q, p["q_norm"], self.eps), cos, sin)
+            k = rotate(self.norm(k, p["k_norm"], self.eps), cos, sin)
+        return q, k, v
+
+    def _after_attention(self, x: torch.Tensor, attended: torch.Tensor, p: dict, w: dict, project) -> torch.Tensor:
+        """The rest of a layer once attention has run: the output product, the residual, the MLP and its residual
+        (Gemma 2/3's sandwich norms where the layer has them); products by `project` over the matrices `w`."""
+        out = project(attended, w["o_w"], p["o_b"])
+        x = x + (out if p["attn_out_norm"] is None else self.norm(out, p["attn_out_norm"], self.eps))
+        gate, up = project(self.norm(x, p["post_norm"], self.eps), w["gate_up"]).chunk(2, dim=-1)
+        out = project(self.act(gate) * up, w["down"])
+        return x + (out if p["mlp_out_norm"] is None else self.norm(out, p["mlp_out_norm"], self.eps))
 
     def compiled_forward(
         self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor, capture: list[int]
@@ -599,17 +611,12 @@ class LeanDecoder:
         and every layer's output (any of them may be a drafter's feature; they exist anyway, and one graph serves
         every choice). Compiled by `compile`."""
         _, width, _ = x.shape
-        q_size, qk_heads = self.heads * self.head_dim, self.heads + self.kv_heads
+        q_size = self.heads * self.head_dim
         outputs = []
         for i, p in enumerate(self.layers):
             h = self.norm(x, p["in_norm"], self.eps)
             qkv = linear(h, p["qkv_w"], p["qkv_b"]).view(1, width, -1, self.head_dim).transpose(1, 2)
-            q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-            if p["q_norm"] is None:
-                q, k = rotate(qkv[:, :qk_heads], cos, sin).split([self.heads, self.kv_heads], dim=1)
-            else:
-                q = rotate(self.norm(q, p["q_norm"], self.eps), cos, sin)
-                k = rotate(self.norm(k, p["k_norm"], self.eps), cos, sin)
+            q, k, v = self._queries_keys(qkv, p, cos, sin)
             keys[i].index_copy_(2, slots, k)
             values[i].index_copy_(2, slots, v)
             out = q.new_empty(q.shape)
@@ -620,10 +627,6 @@ class LeanDecoder:
                     out = part[:, :, :width]
                 else:
                     out[:, :, cols] = part[:, :, : cols.shape[0]]
-            out = linear(out.transpose(1, 2).reshape(1, width, q_size), p["o_w"], p["o_b"])
-            x = x + (out if p["attn_out_norm"] is None else self.norm(out, p["attn_out_norm"], self.eps))
-            gate, up = linear(self.norm(x, p["post_norm"], self.eps), p["gate_up"]).chunk(2, dim=-1)
-            out = linear(self.act(gate) * up, p["down"])
-            x = x + (out if p["mlp_out_norm"] is None else self.norm(out, p["mlp_out_norm"], self.eps))
+            x = self._after_attention(x, out.transpose(1, 2).reshape(1, width, q_size), p, p, linear)
             outputs.append(x)
         return self.norm(x, self.final_norm, self.eps), outputs
