@@ -430,6 +430,20 @@ def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(comp
         compiled_tiny.forward(two, ids[:, :2].expand(2, -1))
 
 
+def test_the_compiled_step_checks_its_inputs_and_fixes_its_weights(compiled_tiny):
+    from types import SimpleNamespace
+
+    from dspark.decoder import step_guards
+
+    names = ["x", "keys[0]", "values[0]", "plan[1][2]", "keys[1]", "values[29]", "self.layers[0]['qkv_w']", "self.eps"]
+    assert step_guards([SimpleNamespace(name=n) for n in names]) == [True] * 4 + [False] * 4
+    # The graph no longer checks the decoder's matrices, so nothing may swap them.
+    with pytest.raises(DSparkError, match="weights are fixed"):
+        compiled_tiny.use_packed_weights(not compiled_tiny.decoder.packed)
+    with pytest.raises(DSparkError, match="weights are fixed"):
+        compiled_tiny.quantize("int8")
+
+
 def test_compiling_needs_an_int4_target():
     for target in (tiny_target(), tiny_target(hidden=64, dtype=torch.bfloat16)):
         with pytest.raises(DSparkError, match="--compile runs int4 targets"):
