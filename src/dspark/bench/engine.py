@@ -77,15 +77,16 @@ def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> di
     return out
 
 
-def llama_cpp_model(model: str, threads: int):
+def llama_cpp_model(model: str, threads: int, logits_all: bool):
     """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not usable, or a target
-    that ships no GGUF)."""
+    that ships no GGUF). logits_all: every evaluated token's logits (a forward's, as ours return them), not only
+    the last one's (decoding, as users run it: keeping them all cost its completions 1-11 %)."""
     from dspark.llamacpp import import_llama_cpp, load_gguf
     from dspark.models import KNOWN_TARGETS, target_gguf
 
     if import_llama_cpp() is None or model not in KNOWN_TARGETS:
         return None
-    return load_gguf(target_gguf(model), threads, n_ctx=2048, n_batch=512, logits_all=True)
+    return load_gguf(target_gguf(model), threads, n_ctx=2048, n_batch=512, logits_all=logits_all)
 
 
 def llama_forward_ms(llm, context_ids: list[int], counts, repeats: int) -> dict:
@@ -129,7 +130,7 @@ def run_engine_bench(
     threads = torch.get_num_threads()
     run = {"bandwidth_gbs": memory_bandwidth_gbs(bandwidth_gib), "forward": [], "decode": [], "llama_cpp": None}
     progress(f"memory bandwidth {run['bandwidth_gbs']} GB/s")
-    llm = llama_cpp_model(model, threads)
+    llm, llm_decoding = llama_cpp_model(model, threads, True), llama_cpp_model(model, threads, False)
     if llm is not None:
         from dspark.llamacpp import require_llama_cpp
 
@@ -184,7 +185,7 @@ def run_engine_bench(
             datasets,
             max_new_tokens,
             reference,
-            llm if dtype == dtypes[0] else None,
+            llm_decoding if dtype == dtypes[0] else None,
             progress,
         )
         if compiled and not target.decoder.compilable:
@@ -197,8 +198,17 @@ def run_engine_bench(
                 {"dtype": dtype, "engine": "ours, compiled", "ms": {str(n): ms for n, ms in times.items()}}
             )
             progress(f"{dtype} ours, compiled: {times}")
+            # llama.cpp again beside the compiled rows: minutes apart, this host's speed drifts.
             decode_rows(
-                run, target, f"{dtype}, compiled", drafter_path, datasets, max_new_tokens, reference, None, progress
+                run,
+                target,
+                f"{dtype}, compiled",
+                drafter_path,
+                datasets,
+                max_new_tokens,
+                reference,
+                llm_decoding if dtype == dtypes[0] else None,
+                progress,
             )
         del target
     return run

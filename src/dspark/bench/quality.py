@@ -126,7 +126,7 @@ def run_quality_bench(
             precision, lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]), answer_all(target)
         )
     run = {"model": model, "prompts_per_set": prompts_per_set, "max_new_tokens": max_new_tokens, "rows": rows}
-    llm = llama_cpp_model(model, torch.get_num_threads()) if llama_cpp else None
+    llm = llama_cpp_model(model, torch.get_num_threads(), logits_all=True) if llama_cpp else None
     run["llama_cpp"] = None
     if llm is not None:
         from dspark.llamacpp import require_llama_cpp

@@ -402,7 +402,8 @@ def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> 
         lc = run["llama_cpp"]
         out.append(
             f"llama.cpp: llama-cpp-python {lc['version']} built on this machine, {lc['file']} (4-bit weights, so "
-            f"not the same arithmetic), {lc['threads']} threads, weight repacking off."
+            f"not the same arithmetic), {lc['threads']} threads, weight repacking off; it decodes through its own "
+            "completion loop (`create_completion`, the last token's logits only), measured beside each of our rows."
         )
     counts = sorted({int(n) for r in run["forward"] for n in r["ms"]})
     out += [
