@@ -11,6 +11,7 @@ and int4 (weight-only, with bfloat16 activations).
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -177,17 +178,19 @@ def run_engine_bench(
             progress(f"{dtype} {engine}: {times}")
         run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
 
-        decode_rows(
+        # llama.cpp decodes beside our eager rows and again beside the compiled ones: minutes apart, the host drifts.
+        decode = functools.partial(
+            decode_rows,
             run,
             target,
-            dtype,
-            drafter_path,
-            datasets,
-            max_new_tokens,
-            reference,
-            llm_decoding if dtype == dtypes[0] else None,
-            progress,
+            drafter_path=drafter_path,
+            datasets=datasets,
+            max_new_tokens=max_new_tokens,
+            reference=reference,
+            llm=llm_decoding if dtype == dtypes[0] else None,
+            progress=progress,
         )
+        decode(label=dtype)
         if compiled and not target.decoder.compilable:
             progress(f"{dtype}: no compiled step (--compile runs int4)")
         elif compiled:
@@ -198,18 +201,7 @@ def run_engine_bench(
                 {"dtype": dtype, "engine": "ours, compiled", "ms": {str(n): ms for n, ms in times.items()}}
             )
             progress(f"{dtype} ours, compiled: {times}")
-            # llama.cpp again beside the compiled rows: minutes apart, this host's speed drifts.
-            decode_rows(
-                run,
-                target,
-                f"{dtype}, compiled",
-                drafter_path,
-                datasets,
-                max_new_tokens,
-                reference,
-                llm_decoding if dtype == dtypes[0] else None,
-                progress,
-            )
+            decode(label=f"{dtype}, compiled")
         del target
     return run
 
