@@ -302,8 +302,8 @@ class Target:
         step without the eager framework's ~6,000 small calls. Compiles now, both graphs the decoding loop needs
         (a block read by every query, and one that crosses into the next 64 keys): minutes the first time on a
         machine, then about half a minute (the graphs are traced again; inductor's kernels are kept in the dspark
-        cache). Plain and speculative decoding
-        of the compiled target agree token for token; its logits differ from the eager target's in the last bits."""
+        cache). Plain and speculative decoding of the compiled target agree token for token; its logits differ from
+        the eager target's in the last bits."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         # Inductor's default lives in the system's temporary folder; a folder the user chose is kept.
