@@ -2,6 +2,7 @@
 target's (chi-square), stop tokens and max_new_tokens honoured exactly, for single requests and ragged batches."""
 
 import itertools
+import time
 
 import pytest
 import torch
@@ -389,3 +390,20 @@ def test_continuous_batching_decodes_each_request_as_if_alone(target):
     for max_batch in (3, 8):
         together = generate_plain(target, prompts, 24, stop_token_ids=stop, max_batch=max_batch)
         assert [r.token_ids for r in together] == alone
+
+
+def test_a_requests_time_counts_its_prefill_in_plain_and_speculative_decoding(monkeypatch):
+    """Speeds compare plain with speculative decoding (and with other engines, timed from the request): both clocks
+    must start before the prompt is read, or the one that starts after it looks faster by the prefill."""
+    target = tiny_target(eos=7)
+    engine = SpeculativeEngine(target, tiny_drafter(target))
+    prefill = target.prefill
+
+    def slow_prefill(*args, **kwargs):
+        time.sleep(0.3)
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(target, "prefill", slow_prefill)
+    prompt = prompts_for(target, [5])
+    assert generate_plain(target, prompt, 3)[0].seconds >= 0.3
+    assert engine.generate(prompt, 3)[0].seconds >= 0.3

@@ -60,13 +60,14 @@ def stream_plain(
                 len(batch)
             )
             admitted += len(batch)
+            # A request's time runs from its prefill, as the speculative engine's and every other engine's we race.
+            started = time.perf_counter()
             fresh = target.new_cache(len(batch))
             ids, lengths = pad_prompts([prompt for _, prompt in batch], target.device)
             logits = target.prefill(fresh, ids, lengths).logits[:, 0]
             cache.merge(fresh)
             last = torch.cat([last, logits])
-            now = time.perf_counter()
-            rows += [(key, state, g, now) for (key, _), state, g in zip(batch, states, gens)]
+            rows += [(key, state, g, started) for (key, _), state, g in zip(batch, states, gens)]
 
         tokens = next_token(last, sampling, [g for _, _, g, _ in rows]).tolist()
         for (key, state, _, started), tok in zip(rows, tokens):
