@@ -162,11 +162,13 @@ if "--version" in args:
 prompt = args[args.index("-p") + 1]
 if sys.argv[0].endswith("llama-completion"):
     print("hello world [end of text]")
+    print("common_perf_print: prompt eval time =      37.50 ms /     5 tokens", file=sys.stderr)
     print("common_perf_print:        eval time =     100.00 ms /    10 runs", file=sys.stderr)
 else:
     p_min = args[args.index("--spec-draft-p-min") + 1] if "--spec-draft-p-min" in args else None
     print(prompt + ("hello there" if p_min == "0.5" else "hello world"))
-    print("decoded   10 tokens in   0.250 seconds", file=sys.stderr)
+    print("encoded    5 tokens in   0.025 seconds", file=sys.stderr)
+    print("decoded   10 tokens in   0.225 seconds", file=sys.stderr)
     print("n_accept  = " + ("0" if p_min is None else "5"), file=sys.stderr)
 """
 
@@ -202,7 +204,8 @@ def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp
     row = run["rows"][0]["runtimes"]
     assert list(row) == ["ours float32", "llama.cpp Q4_1", "llama.cpp float32"]
     llama = row["llama.cpp Q4_1"]
-    assert llama["plain"]["tok_s"] == 100.0 and not llama["plain"]["same_as_ours"]  # the fake says "hello world"
+    # 11 tokens in 37.5 + 100 ms, 10 in 25 + 225 ms: timed from the prompt, as ours
+    assert llama["plain"]["tok_s"] == 80.0 and not llama["plain"]["same_as_ours"]  # the fake says "hello world"
     assert llama["ngram"] == {"tok_s": 40.0, "tau": 1.0, "identical": True}
     assert llama["dspark"] == {"tok_s": 40.0, "tau": 2.0, "identical": True}  # 10 tokens, 5 drafts accepted
     assert llama["dspark p>=0.5"]["identical"] is False  # "hello there" is not the plain output
@@ -210,7 +213,7 @@ def test_llama_cpp_bench_reads_llama_cpp_and_reports_each_runtime(bench_run, tmp
 
     run.update(machine={"cpu": "fake", "cores": 1, "torch_threads": 1}, when="now")
     text = llama_cpp_section(run, "dspark bench-llama-cpp", "llama-cpp.png")
-    assert "| **all** | 100.00 | 40.00 (τ 1.00) | 40.00 (τ 2.00) | 40.00 (τ 2.00) | 0.40x |" in text
+    assert "| **all** | 80.00 | 40.00 (τ 1.00) | 40.00 (τ 2.00) | 40.00 (τ 2.00) | 0.50x |" in text
     assert "llama.cpp Q4_1 dspark p>=0.5: NO" in text and "llama.cpp float32: 0 of 2 prompts" in text
     assert llama_cpp_plot(run, tmp_path / "llama-cpp.png").stat().st_size > 0
 

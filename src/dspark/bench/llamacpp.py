@@ -4,7 +4,8 @@ speculation, our drafter exported to GGUF at a fixed draft length and truncated 
 
 llama.cpp runs as its own programs (`llama-completion`, `llama-speculative-simple`, built from the llama.cpp tree that
 the llama-cpp-python source package carries; docs/formats.md says how), so what is measured is llama.cpp itself, not
-our bindings. Greedy throughout: every speculative output must equal the plain output of the same runtime.
+our bindings. Greedy throughout: every speculative output must equal the plain output of the same runtime. Every
+runtime is timed from the prompt to the last token, the prompt's evaluation included.
 
 llama.cpp runs each method on two copies of the target: the GGUF as shipped (quantized, what users run) and a float32
 copy of it, which does our float32 arithmetic, so there its plain output must equal ours and its acceptance of our
@@ -90,11 +91,15 @@ def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: i
         ],
         timeout=600,
     )
-    found = re.search(r"\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
-    if not found:
-        raise DSparkError("llama-completion printed no 'eval time' line; is it a llama.cpp build of this version?")
-    ms, runs = float(found.group(1)), int(found.group(2))
-    return LlamaRun(out.rstrip().removesuffix("[end of text]"), runs, ms / 1000)
+    prompt_eval = re.search(r"\bprompt eval time =\s*([\d.]+) ms", err)
+    found = re.search(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
+    if not found or not prompt_eval:
+        raise DSparkError(
+            "llama-completion printed no 'prompt eval time' / 'eval time' lines; is it a llama.cpp build of this version?"
+        )
+    # Timed from the prompt, as ours: the prompt's evaluation gives the first token, each run one more.
+    ms, runs = float(prompt_eval.group(1)) + float(found.group(1)), int(found.group(2))
+    return LlamaRun(out.rstrip().removesuffix("[end of text]"), runs + 1, ms / 1000)
 
 
 def llama_speculative(
@@ -104,15 +109,17 @@ def llama_speculative(
         [str(bin_dir / "llama-speculative-simple"), *_common(target_gguf, prompt, max_new_tokens, threads), *spec_args],
         timeout=600,
     )
+    encoded = re.search(r"encoded\s+\d+ tokens in\s+([\d.]+) seconds", err)
     decoded = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", err)
     accepted = re.search(r"n_accept\s*=\s*(\d+)", err)
-    if not decoded or not accepted:
+    if not encoded or not decoded or not accepted:
         raise DSparkError(
-            "llama-speculative-simple printed no 'decoded'/'n_accept' lines; is it a build of this version?"
+            "llama-speculative-simple printed no 'encoded'/'decoded'/'n_accept' lines; is it a build of this version?"
         )
     text = out.lstrip("\n")
     text = text[len(prompt) :] if text.startswith(prompt) else text  # it echoes the prompt first
-    return LlamaRun(text.rstrip("\n"), int(decoded.group(1)), float(decoded.group(2)), int(accepted.group(1)))
+    seconds = float(encoded.group(1)) + float(decoded.group(2))  # from the prompt, as ours
+    return LlamaRun(text.rstrip("\n"), int(decoded.group(1)), seconds, int(accepted.group(1)))
 
 
 def same_text(a: str, b: str) -> bool:
