@@ -468,6 +468,44 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
+def test_a_continued_drafter_widens_its_markov_rank_keeping_what_it_learned(tiny_run, tmp_path):
+    """`train --init-from D --widen-markov-rank R`: before any step the wider drafter's logits and confidences are
+    D's exactly; training moves the new dimensions; the run resumes at the wider rank; a smaller rank is refused."""
+    from dspark.drafter import load_drafter
+    from dspark.target import Target
+    from dspark.training.config import resumed_config
+    from dspark.training.trainer import train
+
+    folder, data = tiny_run
+    target = Target.load(str(folder), dtype="float32")
+    train(tiny_config(folder, data, tmp_path / "narrow", max_steps=3), progress=False)
+    narrow = load_drafter(tmp_path / "narrow" / "checkpoint", target)
+    wide = load_drafter(tmp_path / "narrow" / "checkpoint", target)
+    wide.widen_markov_rank(20)
+    assert wide.config.markov_rank == 20 and wide.markov_head.markov_w1.weight.shape[1] == 20
+    h, prev = torch.randn(5, target.hidden_size), torch.randint(0, 64, (5,))
+    for d in (narrow, wide):
+        d.use_packed_weights(False)
+    logits = lambda d: d.base_logits(h) + d.markov_head.step(prev, h, None)[0]
+    assert torch.allclose(logits(wide), logits(narrow), atol=1e-6)
+    assert torch.allclose(wide.confidence_logits(h, prev), narrow.confidence_logits(h, prev), atol=1e-6)
+
+    run = tmp_path / "wide"
+    cfg = tiny_config(
+        folder, data, run, init_from=str(tmp_path / "narrow" / "checkpoint"), widen_markov_rank=20, max_steps=6
+    )
+    train(cfg, progress=False)
+    trained = load_drafter(run / "checkpoint", target)
+    assert trained.config.markov_rank == 20 and trained.markov_head.markov_w2.weight[:, 8:].abs().sum() > 0
+    train(resumed_config(run, {"max_steps": 8}), resume=True, progress=False)  # what `train --resume` does
+    assert load_drafter(run / "checkpoint", target).config.markov_rank == 20
+    with pytest.raises(DSparkError, match="can only grow"):
+        train(
+            tiny_config(folder, data, tmp_path / "shrink", init_from=str(run / "checkpoint"), widen_markov_rank=4),
+            progress=False,
+        )
+
+
 def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_run, tmp_path):
     """`train --init-from D --draft-vocab-size N` adds the most frequent answer tokens D lacks; D's Markov rows move
     with their tokens, the new ones start at zero, so before any step the wider drafter proposes what D proposed
@@ -746,7 +784,8 @@ def test_resumed_run_takes_appended_data_and_extends_its_feature_cache(tiny_run,
     steps = [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 9))
     cached = CachedFeatures(cache)
-    cached.check(examples, target.identity())
+    target = Target.load(str(folder), dtype="float32", layer_ids=[0, 2])  # as the run read it
+    cached.check(examples, target, 8)
     appended = examples[len(before) :][:2]
     a, b = cached(appended), OnlineFeatures(target, 8)(appended)
     # equal up to bfloat16 rounding (the cache ran them in another batch); another example's features are far off
@@ -893,6 +932,19 @@ def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, t
     )
     assert (tmp_path / "cache" / "index.json").exists()
     assert cached["tv"] == pytest.approx(online["tv"], rel=1e-3)
+    # the same data through other layers, another precision or another top-K would read wrong features silently
+    for other in (dict(target_layer_ids=[1, 2]), dict(target_dtype="bfloat16"), dict(target_topk=4)):
+        with pytest.raises(DSparkError, match="feature cache was built for"):
+            train(
+                tiny_config(
+                    folder,
+                    data,
+                    tmp_path / "other",
+                    **{"max_steps": 1, "target_topk": 8, **other},
+                    feature_cache=str(tmp_path / "cache"),
+                ),
+                progress=False,
+            )
     train(
         tiny_config(folder, data, tmp_path / "dflash", max_steps=3, preset="dflash", markov_rank=None), progress=False
     )

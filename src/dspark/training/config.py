@@ -87,6 +87,9 @@ class TrainConfig:
     block_size: int | None = opt(None, "γ: draft positions per round")
     num_draft_layers: int | None = opt(None, "backbone decoder layers")
     markov_rank: int | None = opt(None, "rank of the sequential head (0 = pure parallel, DFlash)")
+    widen_markov_rank: int = opt(
+        0, "with --init-from, widen the continued drafter's vanilla Markov head to this rank (0 = keep it)"
+    )
     markov_head_type: str | None = opt(None, "sequential head", choices=HEAD_TYPES)
     enable_confidence_head: bool | None = opt(None, "train a confidence head", flag="confidence-head")
     confidence_head_with_markov: bool | None = opt(None, "the confidence head also sees the Markov embedding")
@@ -204,6 +207,7 @@ class TrainConfig:
             "max_steps",
             "decode_eval_every",
             "add_draft_layers",
+            "widen_markov_rank",
         ):
             if getattr(self, name) < 0:
                 raise DSparkError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
@@ -238,6 +242,11 @@ class TrainConfig:
             raise DSparkError(
                 "--add-draft-layers deepens a trained drafter: give it with --init-from; a new drafter "
                 "takes its depth from --num-draft-layers"
+            )
+        if self.widen_markov_rank and not self.init_from:
+            raise DSparkError(
+                "--widen-markov-rank widens a trained drafter: give it with --init-from; a new drafter takes its "
+                "rank from --markov-rank"
             )
         if self.max_steps <= 0 and self.epochs <= 0:
             raise DSparkError("train for something: --epochs > 0 or --max-steps > 0")

@@ -107,12 +107,15 @@ class CachedFeatures:
         self.device = torch.device(device)
         self.shards = cache_shards(Path(folder))
 
-    def check(self, examples: list[Example], identity: dict) -> None:
-        expected = 0
+    def check(self, examples: list[Example], target, topk: int) -> None:
+        """Refuse a cache built for other data, another target, other feature layers, another precision or
+        another top-K: its features would be read as if they were this run's."""
+        expected, identity = 0, cache_identity(target)
         for shard in self.shards:
-            if shard.index["target"] != identity or shard.first != expected:
+            if shard.index["target"] != identity or shard.first != expected or shard.index["topk"] != topk:
                 raise DSparkError(
-                    "the feature cache was built for other data or another target; delete it or pick a new folder"
+                    "the feature cache was built for other data, another target, other --target-layer-ids, another "
+                    "--target-dtype or another --target-topk; delete it or pick a new folder"
                 )
             expected += shard.count
         if expected != len(examples):
@@ -143,6 +146,11 @@ class CachedFeatures:
         return TargetBatch(
             ids.to(dev), mask.to(dev), feats.to(dev), lambda rows, pos: TargetDist(q_probs[rows, pos], q_ids[rows, pos])
         )
+
+
+def cache_identity(target) -> dict:
+    """What a cache's features depend on besides the data: the target, the layers read and their precision."""
+    return {**target.identity(), "layer_ids": list(target.layer_ids), "dtype": str(target.dtype)}
 
 
 def build_feature_cache(folder: str | Path, target, examples: list[Example], topk: int, batch_size: int = 8) -> None:
@@ -188,6 +196,6 @@ def write_cache_shard(folder: Path, target, examples: list[Example], first: int,
             "offsets": offsets,
             "first_example": first,
             "num_examples": len(examples),
-            "target": target.identity(),
+            "target": cache_identity(target),
         }
         (tmp / "index.json").write_text(json.dumps(index))

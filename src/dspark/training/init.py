@@ -112,7 +112,7 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
 
 def build_drafter(cfg: TrainConfig, target, train_set: list[Example]):
     """The drafter this run trains, and the legs it continues: `--init-from` continued (ported to the portable
-    backbone, deepened, its draft vocabulary widened, as asked), else a new one (from the target's top layers, with
+    backbone, deepened, its Markov rank and draft vocabulary widened, as asked), else a new one (from the target's top layers, with
     a draft vocabulary of the most frequent answer tokens and the Markov head from the data's bigrams, as asked)."""
     ancestors = []  # the legs this run continues (`--init-from`), kept in every checkpoint
     if cfg.init_from:
@@ -129,6 +129,13 @@ def build_drafter(cfg: TrainConfig, target, train_set: list[Example]):
             drafter.add_layers(cfg.add_draft_layers, target.model if cfg.init_target_layers else None)
             log.info(
                 f"{cfg.init_from} deepened to {len(drafter.layers)} draft layers (the new ones start as identities)"
+            )
+        if cfg.widen_markov_rank and cfg.widen_markov_rank != drafter.config.markov_rank:
+            narrower = drafter.config.markov_rank
+            drafter.widen_markov_rank(cfg.widen_markov_rank)
+            log.info(
+                f"{cfg.init_from}: Markov head widened from rank {narrower} to {cfg.widen_markov_rank} (the new "
+                "dimensions start with no effect on the logits or the confidences)"
             )
         if cfg.draft_vocab_size and cfg.draft_vocab_size != drafter.draft_vocab_size:
             before, after = widen_draft_vocabulary(drafter, train_set, cfg.draft_vocab_size, target.vocab_size)

@@ -81,7 +81,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
             build_feature_cache(cache, target, train_set, cfg.target_topk)  # or extend it by appended examples
         barrier()
         source = CachedFeatures(cache, device)
-        source.check(train_set, target.identity())
+        source.check(train_set, target, cfg.target_topk)
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(param_groups(drafter, cfg), lr=cfg.lr, betas=(0.9, 0.95))
