@@ -95,7 +95,7 @@ def llama_plain(bin_dir: Path, target_gguf: Path, prompt: str, max_new_tokens: i
     found = re.search(r"(?<!prompt )\beval time =\s*([\d.]+) ms /\s*(\d+) runs", err)
     if not found or not prompt_eval:
         raise DSparkError(
-            "llama-completion printed no 'prompt eval time' / 'eval time' lines; is it a llama.cpp build of this version?"
+            "llama-completion printed no 'prompt eval time'/'eval time' lines; is it a build of this version?"
         )
     # Timed from the prompt, as ours: the prompt's evaluation gives the first token, each run one more.
     ms, runs = float(prompt_eval.group(1)) + float(found.group(1)), int(found.group(2))

@@ -112,8 +112,9 @@ def param_groups(drafter, cfg: TrainConfig) -> list[dict]:
 
 def build_drafter(cfg: TrainConfig, target, train_set: list[Example]):
     """The drafter this run trains, and the legs it continues: `--init-from` continued (ported to the portable
-    backbone, deepened, its Markov rank and draft vocabulary widened, as asked), else a new one (from the target's top layers, with
-    a draft vocabulary of the most frequent answer tokens and the Markov head from the data's bigrams, as asked)."""
+    backbone, deepened, its Markov rank and draft vocabulary widened, as asked), else a new one (from the target's
+    top layers, with a draft vocabulary of the most frequent answer tokens and the Markov head from the data's
+    bigrams, as asked)."""
     ancestors = []  # the legs this run continues (`--init-from`), kept in every checkpoint
     if cfg.init_from:
         ancestors = lineage(read_checkpoint_meta(cfg.init_from))
