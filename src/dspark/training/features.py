@@ -108,16 +108,8 @@ class CachedFeatures:
         self.shards = cache_shards(Path(folder))
 
     def check(self, examples: list[Example], target, topk: int) -> None:
-        """Refuse a cache built for other data, another target, other feature layers, another precision or
-        another top-K: its features would be read as if they were this run's."""
-        expected, identity = 0, cache_identity(target)
-        for shard in self.shards:
-            if shard.index["target"] != identity or shard.first != expected or shard.index["topk"] != topk:
-                raise DSparkError(
-                    "the feature cache was built for other data, another target, other --target-layer-ids, another "
-                    "--target-dtype or another --target-topk; delete it or pick a new folder"
-                )
-            expected += shard.count
+        """Refuse a cache that is not this run's (`refuse_foreign_shards`) or holds another number of examples."""
+        expected = refuse_foreign_shards(self.shards, target, topk)
         if expected != len(examples):
             raise DSparkError(
                 f"the feature cache holds {expected} examples, the data {len(examples)}; it was built "
@@ -148,6 +140,20 @@ class CachedFeatures:
         )
 
 
+def refuse_foreign_shards(shards: list[CacheShard], target, topk: int) -> int:
+    """Refuse shards built for other data, another target, other feature layers, another precision or another
+    top-K: their features would be read as if they were this run's. Returns how many examples they hold."""
+    expected, identity = 0, cache_identity(target)
+    for shard in shards:
+        if shard.index["target"] != identity or shard.first != expected or shard.index["topk"] != topk:
+            raise DSparkError(
+                "the feature cache was built for other data, another target, other --target-layer-ids, another "
+                "--target-dtype or another --target-topk; delete it or pick a new folder"
+            )
+        expected += shard.count
+    return expected
+
+
 def cache_identity(target) -> dict:
     """What a cache's features depend on besides the data: the target, the layers read and their precision."""
     return {**target.identity(), "layer_ids": list(target.layer_ids), "dtype": str(target.dtype)}
@@ -160,7 +166,7 @@ def build_feature_cache(folder: str | Path, target, examples: list[Example], top
     if topk <= 0:
         raise DSparkError("a feature cache stores q as its top-K: pass --target-topk > 0 with --feature-cache")
     folder = Path(folder)
-    held = sum(shard.count for shard in cache_shards(folder))
+    held = refuse_foreign_shards(cache_shards(folder), target, topk)  # before extending a cache that is not this run's
     if held < len(examples):
         write_cache_shard(folder / f"from-{held}" if held else folder, target, examples[held:], held, topk, batch_size)
 
