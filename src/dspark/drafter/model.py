@@ -63,6 +63,17 @@ def gemma_as_qwen3(state: dict) -> dict:
     return out
 
 
+def with_zero_inputs(linear: nn.Linear, extra: int) -> nn.Linear:
+    """`linear` reading `extra` more inputs after its own, with zero weight on them: the same outputs as before."""
+    wide = nn.Linear(linear.in_features + extra, linear.out_features, bias=linear.bias is not None).to(linear.weight)
+    with torch.no_grad():
+        wide.weight.zero_()
+        wide.weight[:, : linear.in_features] = linear.weight
+        if linear.bias is not None:
+            wide.bias.copy_(linear.bias)
+    return wide
+
+
 @dataclass
 class TrainOutput:
     logits: torch.Tensor  # [B, A, γ, Vd] draft logits, sequential bias included
@@ -249,21 +260,12 @@ class DSparkDrafter(nn.Module):
         if rank == old:
             return
         w1 = nn.Embedding(head.markov_w1.num_embeddings, rank).to(head.markov_w1.weight)
-        w2 = nn.Linear(rank, head.markov_w2.out_features, bias=False).to(head.markov_w2.weight)
         with torch.no_grad():
             nn.init.normal_(w1.weight, std=getattr(self.target_config, "initializer_range", 0.02))
             w1.weight[:, :old] = head.markov_w1.weight
-            w2.weight.zero_()
-            w2.weight[:, :old] = head.markov_w2.weight
-        head.markov_w1, head.markov_w2, head.rank = w1, w2, rank
+        head.markov_w1, head.markov_w2, head.rank = w1, with_zero_inputs(head.markov_w2, rank - old), rank
         if self.confidence_head is not None and self.config.confidence_head_with_markov:
-            proj = self.confidence_head.proj
-            wide = nn.Linear(proj.in_features + rank - old, 1).to(proj.weight)
-            with torch.no_grad():
-                wide.weight.zero_()
-                wide.weight[:, : proj.in_features] = proj.weight
-                wide.bias.copy_(proj.bias)
-            self.confidence_head.proj = wide
+            self.confidence_head.proj = with_zero_inputs(self.confidence_head.proj, rank - old)
         self.config.markov_rank = rank
 
     def t2d(self) -> torch.Tensor | None:
