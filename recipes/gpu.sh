@@ -5,7 +5,7 @@
 #
 #   bash recipes/gpu.sh                                    # RUN=runs/gpu
 #   REGEN_MINUTES=0 STEPS="500 700" bash recipes/gpu.sh    # knobs: REGEN_MINUTES, SHARDS, SEED, MIX, STEPS, TRAIN_MINUTES,
-#                                                          #        BATCH, LR, INIT, ADD_LAYERS, RUN, PY
+#                                                          #        BATCH, LR, INIT, ADD_LAYERS, WIDEN_RANK, RUN, PY
 #   TRAIN_MINUTES=4 STEPS=100000 bash recipes/gpu.sh       # one leg that fits 4 minutes of steps (a fixed lease)
 #   SHARDS=4 REGEN_MINUTES=4 STEPS=0 bash recipes/gpu.sh   # answer only, four processes sharing the GPU
 #
@@ -49,6 +49,9 @@ mv "$DATA.tmp" "$DATA"
 #    every leg); the flags of the CPU legs 8-9 with 4x the sequences per step and twice the learning rate.
 #    ADD_LAYERS=N deepens the first leg's drafter by N layers that start as identities (--add-draft-layers); on
 #    CPU budgets (1.5-1.7M tokens) 3 and 4 layers ended level with 2 (model card), so it is off by default.
+#    WIDEN_RANK widens the first leg's Markov head (--widen-markov-rank; 0 keeps it): from scratch at equal steps the
+#    paper's rank 256 beat the shipped drafter's 64 by 0.065 real τ (docs/experiments.md); a continuation needs a
+#    leg's worth of new data to show it.
 PREV=${INIT:-src/dspark/data/drafters/smollm2-135m-instruct}
 LEG=0
 for STEPS_OF_LEG in ${STEPS:-500 700}; do
@@ -61,6 +64,7 @@ for STEPS_OF_LEG in ${STEPS:-500 700}; do
       --target-topk 32 --warmup-ratio 0.05 --num-anchors 64 --batch-size "${BATCH:-64}" --lr "${LR:-3e-4}" \
       --copied-lr-scale 0.1 --max-steps "$STEPS_OF_LEG" --max-minutes "${TRAIN_MINUTES:-0}" \
       --add-draft-layers "$([ $LEG = 1 ] && echo "${ADD_LAYERS:-0}" || echo 0)" \
+      --widen-markov-rank "$([ $LEG = 1 ] && echo "${WIDEN_RANK:-256}" || echo 0)" \
       --eval-every "$STEPS_OF_LEG" --save-every 50 --quiet
   fi
   dspark export "$OUTDIR/checkpoint" "$OUTDIR-export" --dtype bfloat16 --overwrite
