@@ -384,6 +384,40 @@ def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(pre
     assert invariance_failures(target) == []
 
 
+def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone():
+    from dspark.decoder import RescoredHead
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(1000, 64, generator=g).bfloat16()  # a vocabulary the 4-bit kernel must pad (rows by 16)
+    hidden = torch.randn(12, 64, generator=g).bfloat16()
+    logits = RescoredHead(weight).logits(hidden)
+    exact = hidden.double() @ weight.double().T
+    best = exact.topk(8).indices
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    torch.testing.assert_close(logits.gather(1, best).double(), exact.gather(1, best), rtol=0, atol=1e-4)
+    assert (logits.double() - exact).abs().max() > 0.01  # the tail keeps its 4-bit scores
+    head = RescoredHead(weight)
+    for width in (1, 3, 4):
+        for start in range(0, 12, width):
+            assert torch.equal(head.logits(hidden[start : start + width]), logits[start : start + width])
+
+
+@pytest.mark.real
+def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
+    from dspark.assets import eval_prompts
+    from dspark.target import Target
+
+    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").use_rescored_head()
+    prompts = [target.encode_chat(eval_prompts(name, 1)[0]) for name in ("gsm8k", "humaneval", "mt-bench")]
+    for prompt, answer in zip(prompts, generate_plain(target, prompts, 48)):
+        ids = torch.tensor([prompt + answer.token_ids])
+        out = target.forward_sequences(ids, last_hidden=True)
+        exact = out.last_hidden[0].double() @ target.lm_head.weight.double().T
+        top2 = exact.topk(2).values
+        clear = top2[:, 0] - top2[:, 1] > 1e-6  # an exact tie may go either way
+        assert torch.equal(out.logits[0].argmax(-1)[clear], exact.argmax(-1)[clear])
+
+
 # ---- the compiled decode step: one graph for every one-row forward ----------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled_tiny(tmp_path_factory):
@@ -396,7 +430,10 @@ def compiled_tiny(tmp_path_factory):
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
     from torch._dynamo.utils import counters
 
+    from dspark.decoder import RescoredHead
+
     assert counters["stats"]["unique_graphs"] >= 2  # compile() built both graphs (one 64-key group, two)
+    assert isinstance(compiled_tiny.head_weight, RescoredHead)  # its rows' logits too, checked below
     # 58 + 12 tokens: blocks that cross from one 64-key group into the next, as decoding does
     assert invariance_failures(compiled_tiny, prompt_len=58, ragged=False) == []
 

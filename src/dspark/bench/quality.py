@@ -4,8 +4,10 @@ Speculative decoding is lossless against the target it runs on, so the precision
 float32 model answers the evaluation prompts greedily; on those answers, for each precision of our target and for
 llama.cpp on the GGUF the model package ships: how often its most likely next token is float32's (top-1
 agreement), KL(float32 ‖ it) per token, and the perplexity of the answers; then its own greedy answers to the same
-prompts: how many are float32's token for token, and how many tokens they share before the first difference. The
-evaluation files hold prompts without reference answers, so closeness to float32 stands in for accuracy.
+prompts: how many are float32's token for token, and how many tokens they share before the first difference. int4
+is read twice: with its bfloat16 LM head, and with the rescored 4-bit head a compiled target runs (`--compile`; its
+layers' last bits aside). The evaluation files hold prompts without reference answers, so closeness to float32
+stands in for accuracy.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dspark.assets import eval_prompts
 from dspark.bench.run import common_prefix
 from dspark.decoding.plain import generate_plain
 from dspark.target import Target, load_precision
+
+COMPILED_HEAD = "int4, compiled head"
 
 
 @torch.no_grad()
@@ -125,6 +129,13 @@ def run_quality_bench(
         measure(
             precision, lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]), answer_all(target)
         )
+        if precision == "int4":  # and with the LM head a compiled target decodes through (its layers as eager's)
+            target.use_rescored_head()
+            measure(
+                COMPILED_HEAD,
+                lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]),
+                answer_all(target),
+            )
     run = {"model": model, "prompts_per_set": prompts_per_set, "max_new_tokens": max_new_tokens, "rows": rows}
     llm = llama_cpp_model(model, torch.get_num_threads(), logits_all=True) if llama_cpp else None
     run["llama_cpp"] = None

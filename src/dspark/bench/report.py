@@ -573,7 +573,7 @@ def llama_cpp_plot(run: dict, path: Path) -> Path:
 
 def quality_section(run: dict, command: str, plot: str, name: str = "quality") -> str:
     """The `quality` section of BENCHMARKS.md: each precision's closeness to float32, overall and per set."""
-    from dspark.bench.quality import overall
+    from dspark.bench.quality import COMPILED_HEAD, overall
 
     m = run["machine"]
     lc = run["llama_cpp"]
@@ -583,6 +583,11 @@ def quality_section(run: dict, command: str, plot: str, name: str = "quality") -
             " The target's float weights are that file's, dequantized: llama.cpp runs the float32 model's weights "
             "with arithmetic of its own (8-bit activations in its products), while int8 rounds them once more, "
             "onto a grid per output channel."
+        )
+    if any(r["precision"] == COMPILED_HEAD for r in run["rows"]):
+        llama += (
+            f" {COMPILED_HEAD}: int4 with the LM head a compiled target (`--compile`) runs, every token scored in 4 "
+            "bits and the best 64 scored again exactly."
         )
     out = [
         *section_header(f"## {name}", command, run["when"]),
