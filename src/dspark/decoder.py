@@ -215,7 +215,7 @@ class RescoredHead:
     full-precision weights in float32. The greedy token is the exact argmax wherever that ranks among the 4-bit
     scores' first CANDIDATES (on 1,901 answer positions of the shipped target it ranked 6th at worst); the tail keeps
     the 4-bit scores. The 4-bit kernel's cost grows with every row, so a target that batches requests keeps its
-    bfloat16 head (docs/experiments.md, "the LM head as 4-bit candidates")."""
+    bfloat16 head (docs/experiments.md, "the compiled target's LM head as 4-bit candidates")."""
 
     CANDIDATES = 64
 
