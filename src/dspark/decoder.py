@@ -227,7 +227,7 @@ class RescoredHead:
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """float32 logits [..., V] of hidden states x [..., d]; a row's do not depend on the rows beside it."""
         rows = x.reshape(-1, x.shape[-1])
-        scores = linear(rows, self.coarse)[:, : self.dense.shape[0]].float()
+        scores = linear(rows.bfloat16(), self.coarse)[:, : self.dense.shape[0]].float()  # the kernel's activations
         best = scores.topk(min(self.CANDIDATES, scores.shape[-1]), dim=-1, sorted=False).indices
         exact = (self.dense[best].float() * rows.float()[:, None, :]).sum(-1)
         return scores.scatter_(1, best, exact).view(*x.shape[:-1], -1)
