@@ -9,11 +9,12 @@ from conftest import tiny_drafter, tiny_target
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.decoding.policy import FixedLength
+from dspark.decoding.requests import RequestState
 from dspark.decoding.verify import verify_sampling
 from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import Rounds, auroc, ece, fit_sts, report
-from dspark.scheduling.planner import PrefixScheduler
+from dspark.scheduling.planner import PrefixScheduler, ProductionScheduler
 from dspark.scheduling.profile import CostTable, fit_monotone, interleaved_median_ms, profile_target
 
 APPENDIX_A = CostTable([1, 2, 3], [1000.0, 2000.0, 1000 / 0.45])  # SPS(1)=1.0, SPS(2)=0.5, SPS(3)=0.45
@@ -141,6 +142,26 @@ def test_an_engine_that_skips_drafting_is_lossless_and_saves_the_proposals():
     proposals.clear()
     [result] = SpeculativeEngine(target, drafter, FixedLength(0)).generate([prompt], 30)
     assert result.stats.drafted_rounds == len(proposals) == 0 < result.stats.rounds
+
+
+@pytest.mark.parametrize("kind", [PrefixScheduler, ProductionScheduler])
+def test_requests_joining_an_idle_engine_start_the_scheduler_afresh(kind):
+    """A request whose drafts were rejected must not stop the next one from drafting: when requests join an engine
+    with no rows, the scheduler forgets earlier estimates, probe gaps and budgets, and the first round drafts."""
+    target = tiny_target(eos=7)
+    drafter = tiny_drafter(target, block_size=4)
+    grid = [{"batch_size": 1, "tokens_per_row": w, "ms": 10.0} for w in (1, 5)]
+    scheduler = kind(CostTable([1], [10.0], {"grid": grid, "draft": [{"batch_size": 1, "ms": 5.0}]}), max_probe_gap=64)
+    engine = SpeculativeEngine(target, drafter, scheduler)
+    scheduler.lengths(torch.full((1, 4), -30.0), 4, 1)  # a request whose drafts never survive ...
+    scheduler.probe_gap, scheduler.skipped = 64, 10  # ... after rounds that stopped drafting
+    assert not scheduler.drafts(1)
+    batch = engine.new_batch()
+    engine.admit(batch, [RequestState(0, [9, 10, 11], 8, {7}, None)], [SamplingParams()], [None])
+    assert not scheduler.recent and scheduler.probe_gap == scheduler.probe_every and scheduler.drafts(1)
+    scheduler.lengths(torch.full((1, 4), -30.0), 4, 1)
+    engine.admit(batch, [RequestState(1, [9, 10], 8, {7}, None)], [SamplingParams()], [None])  # joins a busy batch
+    assert len(scheduler.recent) == 1
 
 
 def appendix_a_first_token(scheduler_lengths, n=20000, seed=0):

@@ -82,6 +82,8 @@ class SpeculativeEngine:
     ) -> None:
         """Prefill: the target reads each new prompt and says its first token, the anchor of the row's first round.
         The prefill runs apart from `batch`, which it joins only once it succeeded."""
+        if not batch.rows:
+            self.policy.restart()
         start = time.perf_counter()
         joining = self.new_batch(len(requests))
         logits = self._prefill(

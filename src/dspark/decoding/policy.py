@@ -23,6 +23,9 @@ class VerifyPolicy(Protocol):
     def drafts(self, rows: int) -> bool:
         """Whether a round of `rows` rows drafts at all."""
 
+    def restart(self) -> None:
+        """Requests join an engine that had none: what the policy learnt from earlier rounds may be dropped."""
+
     def lengths(self, confidence_logits: torch.Tensor | None, gamma: int, batch: int) -> torch.Tensor:
         """ℓ_r ∈ [0, γ] per request [batch] for this round, from the drafts' confidence logits [batch, γ]."""
 
@@ -59,6 +62,9 @@ class BasePolicy:
 
     def drafts(self, rows: int) -> bool:
         return True
+
+    def restart(self) -> None:
+        """Requests join an idle engine: forget what earlier requests taught (nothing here)."""
 
     def survival(self, confidence_logits: torch.Tensor | None) -> torch.Tensor | None:
         if confidence_logits is None:

@@ -45,7 +45,14 @@ class PrefixScheduler(BasePolicy):
         self.recent: deque[torch.Tensor] = deque(maxlen=memory)  # survival [rows, γ] of the last drafted rounds
         self.probe_every = probe_every
         self.max_probe_gap = max_probe_gap
-        self.probe_gap = probe_every  # rounds without drafting before the next probe
+        self.restart()
+
+    def restart(self) -> None:
+        """Requests join an idle engine: the estimates of earlier requests say nothing of theirs (a request whose
+        drafts were rejected would stop the next one from drafting for up to `max_probe_gap` rounds), so the first
+        round drafts."""
+        self.recent.clear()
+        self.probe_gap = self.probe_every  # rounds without drafting before the next probe
         self.skipped = 0  # rounds since the last drafted one
 
     def drafts(self, rows: int) -> bool:
@@ -130,8 +137,11 @@ class ProductionScheduler(PrefixScheduler):
         probe_every: int = 16,
         max_probe_gap: int = 256,
     ):
-        super().__init__(cost, temperatures, memory, probe_every, max_probe_gap)
         self.delay = delay
+        super().__init__(cost, temperatures, memory, probe_every, max_probe_gap)
+
+    def restart(self) -> None:
+        super().restart()
         self.budgets: list[int] = []
 
     def budget(self, survival: torch.Tensor) -> int:
