@@ -224,13 +224,12 @@ class RescoredHead:
         vocab = weight.shape[0]
         self.coarse = Int4Weight(F.pad(weight, (0, 0, 0, -vocab % 16)))  # the kernel packs rows by 16
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """float32 logits [..., V] of hidden states x [..., d]; a row's do not depend on the rows beside it."""
-        rows = x.reshape(-1, x.shape[-1])
+    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, V] of hidden states [n, d]; a row's do not depend on the rows beside it."""
         scores = linear(rows.bfloat16(), self.coarse)[:, : self.dense.shape[0]].float()  # the kernel's activations
         best = scores.topk(min(self.CANDIDATES, scores.shape[-1]), dim=-1, sorted=False).indices
         exact = (self.dense[best].float() * rows.float()[:, None, :]).sum(-1)
-        return scores.scatter_(1, best, exact).view(*x.shape[:-1], -1)
+        return scores.scatter_(1, best, exact)
 
 
 def quantized_weight(weight: torch.Tensor, bits: int) -> Int8Weight | Int4Weight:
@@ -326,8 +325,8 @@ FEW_ROWS = 16
 def linear(
     x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a float, packed, column-split or int8 weight; few_rows_transposed: 2..FEW_ROWS rows
-    as (W @ xᵀ)ᵀ. One kernel for every row count: a row's product does not depend on the rows beside it (a separate
+    """x @ weight.T (+ bias) for a float, packed, column-split, int8 or int4 weight, or a RescoredHead (its float32
+    logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ. One kernel for every row count: a row's product does not depend on the rows beside it (a separate
     one-row kernel, faster on some CPUs, would make a plain step round differently from a verify)."""
     rows = x.numel() // x.shape[-1]
     if isinstance(weight, Int8Weight):
@@ -335,6 +334,8 @@ def linear(
     elif isinstance(weight, Int4Weight):
         rows_in = x.reshape(-1, x.shape[-1])
         out = torch._weight_int4pack_mm_for_cpu(rows_in, weight.packed, Int4Weight.GROUP, weight.scales_and_zeros)
+    elif isinstance(weight, RescoredHead):
+        out = weight.logits(x.reshape(rows, -1))
     elif isinstance(weight, PackedWeight):
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), weight.packed, None, "none", [], "")
     elif isinstance(weight, KSplitWeight):

@@ -295,10 +295,7 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.head_weight, RescoredHead):
-            logits = self.head_weight.logits(hidden)
-        else:
-            logits = linear(hidden, self.head_weight, few_rows_transposed=self.decoder.few_rows_transposed).float()
+        logits = linear(hidden, self.head_weight, few_rows_transposed=self.decoder.few_rows_transposed).float()
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
 

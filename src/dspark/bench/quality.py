@@ -126,15 +126,12 @@ def run_quality_bench(
     measure("float32", lambda name, i: reference[name][i], answers)
     for precision in [p for p in precisions if p != "float32"]:
         target = tune(load_precision(model, precision))
-        measure(
-            precision, lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]), answer_all(target)
-        )
-        if precision == "int4":  # and with the LM head a compiled target decodes through (its layers as eager's)
-            target.use_rescored_head()
+        # int4 also with the LM head a compiled target decodes through (its layers as eager's)
+        for label in [precision, COMPILED_HEAD] if precision == "int4" else [precision]:
+            if label == COMPILED_HEAD:
+                target.use_rescored_head()
             measure(
-                COMPILED_HEAD,
-                lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]),
-                answer_all(target),
+                label, lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]), answer_all(target)
             )
     run = {"model": model, "prompts_per_set": prompts_per_set, "max_new_tokens": max_new_tokens, "rows": rows}
     llm = llama_cpp_model(model, torch.get_num_threads(), logits_all=True) if llama_cpp else None

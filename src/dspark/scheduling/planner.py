@@ -137,8 +137,8 @@ class ProductionScheduler(PrefixScheduler):
         probe_every: int = 16,
         max_probe_gap: int = 256,
     ):
-        self.delay = delay
         super().__init__(cost, temperatures, memory, probe_every, max_probe_gap)
+        self.delay = delay
 
     def restart(self) -> None:
         super().restart()
