@@ -42,8 +42,9 @@ def on_the_4bit_grid(target):
 
 @pytest.mark.parametrize("weights", ["float", "from a 4-bit file"])
 def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, weights):
-    """Without native bfloat16, float32 unmeasured; with it, the cheapest of the precisions that keep the model's
-    weights: int4 is a candidate only for weights that already sit on its grid, int8 never."""
+    """Without native bfloat16, float32, unmeasured but checked for batch invariance; with it, the cheapest of the
+    precisions that keep the model's weights: int4 is a candidate only for weights that already sit on its grid,
+    int8 never."""
     from dspark import autotune as precision
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
@@ -59,7 +60,11 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, we
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "fma"})
     choice = precision.choose_precision("tiny", load)
-    assert choice.dtype == "float32" and "no native bfloat16" in choice.reason and loads == []  # nothing to measure
+    assert choice.dtype == "float32" and "no native bfloat16" in choice.reason and loads == ["float32"]  # checked
+    assert precision.choose_precision("tiny", load) == choice and loads == ["float32"]  # cached per machine
+    for path in (tmp_path / "precision").iterdir():
+        path.unlink()
+    loads.clear()
 
     monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
     choice = precision.choose_precision("tiny", load)
@@ -71,6 +76,22 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, we
     faster = min(choice.step_ms, key=lambda d: choice.step_ms[d]["1"] + choice.step_ms[d]["8"])
     assert choice.dtype == faster and "amx_bf16" in choice.reason
     assert precision.choose_precision("tiny", load) == choice and len(loads) == 3  # cached per machine
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_never_picks_a_precision_that_is_not_batch_invariant_here(monkeypatch, tmp_path, native):
+    """Where float32's real forward is not batch-invariant on the machine (its kernels round by row count), auto
+    leaves it out, and says so."""
+    from dspark import autotune
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "cpu_flags", lambda: {"avx2", "avx512_bf16"} if native else {"avx2"})
+    targets = {"float32": tiny_target(hidden=64), "bfloat16": tiny_target(hidden=64, dtype=torch.bfloat16)}
+    targets["int4"] = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    targets["float32"].decoder.min_rows = 1  # products of 1-3 rows take another kernel: not invariant
+    choice = autotune.choose_precision("tiny", targets.__getitem__)
+    assert choice.dtype == "bfloat16" and "float32" not in choice.step_ms
+    assert "float32 is not batch-invariant" in choice.reason or "float32 left out: not batch-invariant" in choice.reason
 
 
 def tiny_engine_bench(tiny_run, tmp_path, dtypes, progress=lambda _: None, **options) -> dict:

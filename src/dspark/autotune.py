@@ -6,9 +6,9 @@ count and revision of dspark's code (`models.code_revision`: an upgrade re-measu
 (`~/.cache/dspark`); loading a model never measures anything.
 
 bfloat16 halves the bytes every step streams, but only CPUs with native bfloat16 arithmetic (AMX or AVX-512-BF16)
-compute it fast; elsewhere it is emulated and slower than float32. bfloat16 runs batch-invariant (decoder.py), so
-speculative output equals plain output token for token in it; float32 has no batch-invariant kernels here, and its
-output is identical in practice (ulp-sized differences rarely move an argmax), not by construction.
+compute it fast; elsewhere it is emulated and slower than float32. Every precision runs batch-invariant on a CPU
+(decoder.py), so speculative output equals plain output token for token in it; since that rests on how the machine's
+kernels round, `--dtype auto` picks only a precision whose real forward passed the invariance check here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from dspark.scheduling.profile import CostTable, profile_target
 from dspark.target import Target, load_precision
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+NOT_INVARIANT = (
+    "no precision is batch-invariant on this CPU, so float32 runs, and speculative output may differ from plain "
+    "output where two tokens nearly tie"
+)
 
 
 @dataclass
@@ -67,21 +71,32 @@ def native_bf16_flags() -> list[str]:
 
 def choose_precision(model: str, load) -> PrecisionChoice:
     """The precision for `model` on this machine; `load(precision)` returns a Target (only called when measuring).
-    With native bfloat16, the precision whose 1-token step plus 8-token verify is cheapest here among those that
-    keep the model's weights (Target.keeps_weights): float32, bfloat16, and int4 where the weights come from a
-    4-bit file of its layout. int8 and int4 that would round the weights change the model; they are run only when
-    asked for (`dspark bench quality` measures how far each precision stays from float32)."""
-    native = native_bf16_flags()
-    if not native:
-        return PrecisionChoice(
-            "float32", "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is faster", {}
-        )
+    Only precisions whose forward is batch-invariant here (`invariance_failures`, on the real forward) are eligible,
+    so that speculative output equals plain output by construction. With native bfloat16, the eligible precision
+    whose 1-token step plus 8-token verify is cheapest among those that keep the model's weights (Target.keeps_weights):
+    float32, bfloat16, and int4 where the weights come from a 4-bit file of its layout. Without it, float32 (bfloat16
+    is emulated there, slower), or bfloat16 if float32 is not batch-invariant on this CPU. int8, and int4 that would
+    round the weights, change the model; they are run only when asked for (`dspark bench quality` measures how far
+    each precision stays from float32)."""
     path = machine_cache_file("precision", model)
     if path.exists():
         return PrecisionChoice(**json.loads(path.read_text()))
+    native = native_bf16_flags()
+    if not native:
+        invariant = next((d for d in ("float32", "bfloat16") if not invariance_failures(load(d))), None)
+        reason = "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is faster"
+        if invariant == "bfloat16":
+            reason = "this CPU has no native bfloat16, but float32 is not batch-invariant on it: bfloat16, emulated"
+        elif invariant is None:
+            reason += f"; {NOT_INVARIANT}"
+        choice = PrecisionChoice(invariant or "float32", reason, {})
+        atomic_write_json(path, asdict(choice))
+        return choice
     targets = {precision: load(precision) for precision in ("float32", "bfloat16", "int4")}
     rounded = [precision for precision, target in targets.items() if not target.keeps_weights]
-    times = {precision: {"1": float("inf"), "8": float("inf")} for precision in targets if precision not in rounded}
+    varying = [p for p, target in targets.items() if p not in rounded and invariance_failures(target)]
+    eligible = [p for p in targets if p not in rounded and p not in varying] or ["float32"]  # see NOT_INVARIANT
+    times = {precision: {"1": float("inf"), "8": float("inf")} for precision in eligible}
     for _ in range(3):  # interleaved, the best of each kept: load from elsewhere slows all alike (the choice is cached)
         for precision in times:
             table = profile_target(targets[precision], token_counts=(1, 8), context=128, repeats=3)
@@ -93,9 +108,48 @@ def choose_precision(model: str, load) -> PrecisionChoice:
     reason = f"this CPU has {'/'.join(native)}; measured here, a 1-token step plus an 8-token verify took {steps}"
     if rounded:
         reason += f" ({', '.join(rounded)} left out: it would round this model's weights; --dtype asks for it)"
+    if varying:
+        reason += f" ({', '.join(varying)} left out: not batch-invariant on this CPU)"
+    if dtype in varying:
+        reason += f"; {NOT_INVARIANT}"
     choice = PrecisionChoice(dtype, reason, times)
     atomic_write_json(path, asdict(choice))
     return choice
+
+
+@torch.no_grad()
+def invariance_failures(
+    target, prompt_len: int = 200, steps: int = 12, seed: int = 0, ragged: bool = True
+) -> list[str]:
+    """Rows whose logits differ bitwise between a 1-token step, the same tokens inside verify blocks of 2-12, and
+    (ragged) the same block inside a ragged batch of two rows; [] where the forward is batch-invariant on this
+    machine. The kernels' rounding depends on the CPU and its BLAS library, so `choose_precision` runs this on the
+    real target before `auto` may pick a precision (seconds, once per machine)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = min(target.vocab_size, 5000)
+    prompt = torch.randint(0, vocab, (1, prompt_len), generator=g)
+    other = torch.randint(0, vocab, (1, prompt_len), generator=g)
+    new = torch.randint(0, vocab, (1, steps), generator=g)
+    cache = target.new_cache(1)
+    target.prefill(cache, prompt)
+    block = target.forward(cache, new).logits[0]
+    cache.rollback(cache.lengths - steps)
+    failures = [
+        f"step {j}"
+        for j in range(steps)
+        if not torch.equal(target.forward(cache, new[:, j : j + 1]).logits[0, 0], block[j])
+    ]
+    for width in (2, 4, 8):  # the same tokens in shorter blocks
+        cache.rollback(cache.lengths - steps)
+        for start in range(0, steps - width + 1, width):
+            part = target.forward(cache, new[:, start : start + width]).logits[0]
+            failures += [f"block {width} row {j}" for j in range(width) if not torch.equal(part[j], block[start + j])]
+    if not ragged:
+        return failures
+    batch = target.new_cache(2)
+    target.prefill(batch, torch.cat([prompt, other]), torch.tensor([prompt_len, prompt_len - 63]))
+    out = target.forward(batch, torch.cat([new[:, :8], new[:, 4:12]]), torch.tensor([8, 3])).logits[0]
+    return failures + [f"ragged row {j}" for j in range(8) if not torch.equal(out[j], block[j])]
 
 
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:

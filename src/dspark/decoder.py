@@ -315,6 +315,13 @@ def _onednn_bfloat16_runs() -> bool:
         return False
 
 
+# A float32 product of fewer rows than this runs another MKL kernel than one of more, which rounds differently
+# (measured on a 2-core AMD EPYC: a row's product over 1-3 rows differs from the same row among 4 or more in the
+# last bits, while 4-512 rows all agree bitwise, on 1 and 2 threads and for every matrix of the model). A
+# batch-invariant float32 decoder pads its products to this many rows; `dspark.autotune` checks the whole forward on
+# the machine before `--dtype auto` picks float32.
+MIN_ROWS_FLOAT32 = 4
+
 # Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
 # and its threading by shape. With MKL on a 2-core AVX2-only AMD EPYC, F.linear on 2-8 rows gained nothing from the
 # second thread and cost 1.6-3x one row; the transposed product used both and cost 1.1-1.3x (on one thread the two
@@ -323,11 +330,13 @@ FEW_ROWS = 16
 
 
 def linear(
-    x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False
+    x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False, min_rows: int = 1
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for a float, packed, column-split, int8 or int4 weight, or a RescoredHead (its float32
-    logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ. One kernel for every row count: a row's product does not depend on the rows beside it (a separate
-    one-row kernel, faster on some CPUs, would make a plain step round differently from a verify)."""
+    logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ; min_rows: a float product of fewer rows runs padded
+    with zero rows to this many (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not depend
+    on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round differently
+    from a verify)."""
     rows = x.numel() // x.shape[-1]
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
@@ -344,6 +353,9 @@ def linear(
         out = torch.diagonal(parts, dim1=1, dim2=2).sum(-1)  # bfloat16 sums accumulate in float32, round once
     elif few_rows_transposed and 2 <= rows <= FEW_ROWS:
         out = (weight @ x.reshape(rows, -1).T).T
+    elif rows < min_rows:  # the bias inside the product, as F.linear adds it for more rows
+        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, min_rows - rows))
+        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], -1)
     else:
         return F.linear(x, weight, bias)
     out = out.view(*x.shape[:-1], out.shape[-1])
@@ -429,10 +441,12 @@ class LeanDecoder:
                     k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
                 )
             )
-        # bfloat16 on a CPU runs batch-invariant: a row's logits do not depend on how many rows or tokens share
-        # the forward, so speculative output equals plain output token for token (float32 has no such kernels here;
-        # its differences are a few ulps, and argmax flips from them are rare but possible).
-        self.batch_invariant = self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu"
+        # On a CPU the forward runs batch-invariant: a row's logits do not depend on how many rows or tokens share
+        # it, so speculative output equals plain output token for token. float32 pads its products to
+        # MIN_ROWS_FLOAT32 rows for it (`min_rows`); bfloat16's products are invariant as they are, but for long
+        # reductions (KSplitWeight). float16 (no fast CPU kernels) and GPUs keep the faster kernels.
+        self.batch_invariant = self.embed.dtype in (torch.bfloat16, torch.float32) and self.embed.device.type == "cpu"
+        self.min_rows = MIN_ROWS_FLOAT32 if self.batch_invariant and self.embed.dtype == torch.float32 else 1
         self.few_rows_transposed = False  # both set by the machine's tuning (dspark.autotune), which measures them
         self.packed: bool | None = None  # no product form chosen yet
         self.compiled = None  # the one-row decode step as one compiled graph (compile), or eager
@@ -507,7 +521,7 @@ class LeanDecoder:
 
     def product_form(self, weight, packed: bool):
         matrix = dense(weight)
-        if self.batch_invariant and matrix.shape[1] > MAX_INVARIANT_K:
+        if self.batch_invariant and matrix.dtype == torch.bfloat16 and matrix.shape[1] > MAX_INVARIANT_K:
             return KSplitWeight(matrix, packed)
         return PackedWeight(matrix) if packed else matrix
 
@@ -563,7 +577,7 @@ class LeanDecoder:
         }
         q_size = self.heads * self.head_dim
         norm, eps = self.norm, self.eps
-        project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed)
+        project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed, min_rows=self.min_rows)
         wanted, captured = set(capture), {}
         matrices = self.prefill_weights if prefill and self.prefill_weights is not None else self.layers
         for i, p in enumerate(self.layers):

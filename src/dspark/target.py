@@ -295,7 +295,8 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden, self.head_weight, few_rows_transposed=self.decoder.few_rows_transposed).float()
+        decoder = self.decoder
+        logits = linear(hidden, self.head_weight, None, decoder.few_rows_transposed, decoder.min_rows).float()
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -333,16 +333,18 @@ def command_line() -> str:
     return env + "dspark " + shlex.join(sys.argv[1:])
 
 
-def why_outputs_differ(dtype: str, sampling=None) -> str:
+def why_outputs_differ(target, sampling=None) -> str:
     """Why speculative and plain output can part, for the message that says they did."""
     if sampling is not None and not sampling.greedy:
         return (
             " (sampling: the two runs draw different random numbers; they agree in distribution, not token by "
             "token; pass --seed and --temperature 0 to compare tokens)"
         )
-    if dtype == "float32":
-        return " (float32 output should be identical: please report this with the command)"
+    if target.decoder.batch_invariant:
+        return (
+            f" ({target.precision} on a CPU is batch-invariant, so this is a defect: please report it with the command)"
+        )
     return (
-        f" ({dtype}: at a near-tie two tokens' logits differ by less than {dtype} rounding, and a forward of one "
-        "token and a forward of many round differently; --dtype float32 gives identical output)"
+        f" ({target.precision} on {target.device.type}: a forward of one token and a forward of many round differently, "
+        "so a near-tie can break either way; on a CPU every precision but float16 gives identical output)"
     )

@@ -98,7 +98,7 @@ def run(args) -> int:
             if report["identical_to_plain"]
             else (
                 f"OUTPUT DIFFERS from plain decoding from token {report['first_difference'] + 1} on"
-                f"{why_outputs_differ(args.dtype, sampling)}"
+                f"{why_outputs_differ(target, sampling)}"
             )
         )
     print(line + "]", file=sys.stderr)
