@@ -41,13 +41,14 @@ def on_the_4bit_grid(target):
 
 
 @pytest.mark.parametrize("weights", ["float", "from a 4-bit file"])
-def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, weights):
-    """Without native bfloat16, float32, unmeasured but checked for batch invariance; with it, the cheapest of the
-    precisions that keep the model's weights: int4 is a candidate only for weights that already sit on its grid,
-    int8 never."""
+@pytest.mark.parametrize("flags", [{"avx2", "fma"}, {"avx2", "amx_bf16"}])
+def test_precision_is_the_cheapest_measured_here_whatever_the_cpu_flags(monkeypatch, tmp_path, weights, flags):
+    """On every CPU, with or without native bfloat16, the cheapest measured of the precisions that keep the model's
+    weights: int4 is a candidate only for weights that already sit on its grid, int8 never."""
     from dspark import autotune as precision
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(precision, "cpu_flags", lambda: flags)
     loads = []
 
     def load(precision):
@@ -58,15 +59,6 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, we
             target = on_the_4bit_grid(target)
         return target.quantize(precision) if precision in ("int8", "int4") else target
 
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "fma"})
-    choice = precision.choose_precision("tiny", load)
-    assert choice.dtype == "float32" and "no native bfloat16" in choice.reason and loads == ["float32"]  # checked
-    assert precision.choose_precision("tiny", load) == choice and loads == ["float32"]  # cached per machine
-    for path in (tmp_path / "precision").iterdir():
-        path.unlink()
-    loads.clear()
-
-    monkeypatch.setattr(precision, "cpu_flags", lambda: {"avx2", "amx_bf16"})
     choice = precision.choose_precision("tiny", load)
     assert loads == ["float32", "bfloat16", "int4"]
     if weights == "float":
@@ -74,24 +66,32 @@ def test_precision_follows_the_cpu_and_the_measurement(monkeypatch, tmp_path, we
     else:
         assert set(choice.step_ms) == {"float32", "bfloat16", "int4"} and "left out" not in choice.reason
     faster = min(choice.step_ms, key=lambda d: choice.step_ms[d]["1"] + choice.step_ms[d]["8"])
-    assert choice.dtype == faster and "amx_bf16" in choice.reason
+    assert choice.dtype == faster
+    assert ("amx_bf16" in choice.reason) == ("amx_bf16" in flags) and "measured here" in choice.reason
     assert precision.choose_precision("tiny", load) == choice and len(loads) == 3  # cached per machine
 
 
 @pytest.mark.parametrize("native", [False, True])
 def test_auto_never_picks_a_precision_that_is_not_batch_invariant_here(monkeypatch, tmp_path, native):
-    """Where float32's real forward is not batch-invariant on the machine (its kernels round by row count), auto
-    leaves it out, and says so."""
+    """Where the fastest precision's real forward is not batch-invariant on the machine (float32's kernels round by
+    row count here), auto leaves it out, says so, and takes the next fastest that is."""
     from dspark import autotune
+    from dspark.scheduling.profile import CostTable
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "cpu_flags", lambda: {"avx2", "avx512_bf16"} if native else {"avx2"})
     targets = {"float32": tiny_target(hidden=64), "bfloat16": tiny_target(hidden=64, dtype=torch.bfloat16)}
-    targets["int4"] = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    targets["int4"] = on_the_4bit_grid(tiny_target(hidden=64, dtype=torch.bfloat16)).quantize("int4")
     targets["float32"].decoder.min_rows = 1  # products of 1-3 rows take another kernel: not invariant
+    cost = {"float32": 1.0, "bfloat16": 2.0, "int4": 3.0}  # float32 measured fastest, then bfloat16, int4 last
+
+    def timed(target, token_counts, **_):
+        return CostTable(list(token_counts), [cost[target.precision] * n for n in token_counts])
+
+    monkeypatch.setattr(autotune, "profile_target", timed)
     choice = autotune.choose_precision("tiny", targets.__getitem__)
-    assert choice.dtype == "bfloat16" and "float32" not in choice.step_ms
-    assert "float32 is not batch-invariant" in choice.reason or "float32 left out: not batch-invariant" in choice.reason
+    assert choice.dtype == "bfloat16" and set(choice.step_ms) == {"float32", "bfloat16", "int4"}
+    assert "float32 left out: not batch-invariant" in choice.reason and "int4 left out" not in choice.reason
 
 
 def tiny_engine_bench(tiny_run, tmp_path, dtypes, progress=lambda _: None, **options) -> dict:
@@ -214,6 +214,58 @@ def test_a_quantized_target_reads_prompts_with_its_float_weights(kind):
     step = torch.tensor([[4], [5]])
     after = {name: t.forward(caches[name], step).logits for name, t in (("bf16", bf16), ("quantized", quantized))}
     assert not torch.equal(after["bf16"], after["quantized"])
+
+
+@pytest.mark.parametrize("form", ["float32", "quantized"])
+def test_a_quantized_target_reads_prompts_in_another_form_alike_alone_and_in_a_batch(form):
+    """The other prefill forms, float32 copies of the float weights or the quantized kernels themselves: a prompt's
+    logits are bitwise the same alone and beside another prompt, its cache near the bfloat16 form's but not its
+    own, and plain and speculative decoding still agree token for token."""
+    from conftest import NoisyOracle
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+
+    target = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16).quantize("int4")
+    ids, lengths = torch.randint(0, 90, (2, 20)), torch.tensor([20, 13])
+    caches = {}
+    for name in ("bfloat16", form):
+        target.decoder.use_prefill_form(name)
+        caches[name] = target.new_cache(2)
+        out = target.prefill(caches[name], ids, lengths)
+        assert torch.equal(out.logits[1:], target.prefill(target.new_cache(1), ids[1:, :13]).logits)
+    keys = caches[form].k.float(), caches["bfloat16"].k.float()
+    assert not torch.equal(*keys) and torch.allclose(*keys, atol=0.15 if form == "quantized" else 0.02)
+    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
+    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
+    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.2))
+    assert [r.token_ids for r in engine.generate(prompts, 30)] == expected
+
+
+def test_the_prefill_form_is_the_fastest_measured_here_and_kept(monkeypatch, tmp_path):
+    """A quantized target reads prompts in the form a timed prompt found fastest on the machine, measured once."""
+    from dspark import autotune
+    from dspark.errors import DSparkError
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    seconds = {"bfloat16": 0.3, "float32": 0.06, "quantized": 0.12}  # as on a CPU without native bfloat16
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    prefill = target.prefill
+
+    def timed(*args, **kwargs):  # a prefill takes its form's time on the fake clock
+        clock[0] += seconds[target.decoder.prefill_form]
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(target, "prefill", timed)
+    assert autotune.tune(target).decoder.prefill_form == "float32"
+    record = json.loads(next((tmp_path / "kernels").iterdir()).read_text())
+    assert record["prefill_form"] == "float32" and set(record["prompt_ms"]) == set(seconds)
+    again = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    monkeypatch.setattr(again, "prefill", lambda *a, **k: pytest.fail("measured again"))
+    assert autotune.tune(again).decoder.prefill_form == "float32"  # read from the cache
+    with pytest.raises(DSparkError, match="unknown prefill form"):
+        again.decoder.use_prefill_form("float16")
 
 
 def test_closeness_counts_agreement_kl_and_likelihood():

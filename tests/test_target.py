@@ -226,24 +226,26 @@ def test_few_row_products_in_either_form_agree(tmp_path, monkeypatch):
     assert "verify_4_and_8_ms" in json.loads(saved.read_text())
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
-def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_measurement(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(tmp_path, monkeypatch, dtype):
     """decoder.PackedWeight: one reorder into oneDNN's layout, then every product (1 row, a verify, a batch) as
     F.linear gives it; the target switches all its matrices at once and back, and a machine's recorded choice is
     applied at load."""
     import json
 
     from dspark.autotune import choose_product_forms
-    from dspark.decoder import PackedWeight, linear
+    from dspark.decoder import PackedWeight, linear, packing_available
 
-    w, b = torch.randn(96, 64, dtype=torch.bfloat16), torch.randn(96, dtype=torch.bfloat16)
+    w, b = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
+    if not packing_available(w):
+        pytest.skip(f"oneDNN's {dtype} products do not run on this CPU (or torch has no oneDNN)")
     for rows in (1, 8, 64):
-        x = torch.randn(rows, 1, 64, dtype=torch.bfloat16)
+        x = torch.randn(rows, 1, 64, dtype=dtype)
         torch.testing.assert_close(
             linear(x, PackedWeight(w), b), torch.nn.functional.linear(x, w, b), rtol=1e-2, atol=1e-2
         )
 
-    target = tiny_target(eos=7, dtype=torch.bfloat16)
+    target = tiny_target(eos=7, dtype=dtype)
     ids = torch.randint(0, 90, (1, 16))
     logits = []
     for packed in (False, True, False):
@@ -261,21 +263,22 @@ def test_packed_bfloat16_weights_compute_the_same_products_and_are_chosen_by_mea
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     choose_product_forms(target, repeats=1)  # a tiny model is all Python: measured as not worth packing
-    [saved] = (tmp_path / "kernels").glob("tiny-97-0-bfloat16-*.json")
+    [saved] = (tmp_path / "kernels").glob(f"tiny-97-0-{str(dtype).removeprefix('torch.')}-*.json")
     assert json.loads(saved.read_text())["packed"] is False
     saved.write_text(json.dumps({"few_rows_transposed": False, "packed": True}))  # as on the AMX Xeon
     assert isinstance(choose_product_forms(target).head_weight, PackedWeight)
 
 
-@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
 @pytest.mark.parametrize("packed", [False, True])
 def test_a_column_split_product_is_the_sum_of_its_blocks_whatever_rows_share_it(packed):
     """decoder.KSplitWeight: one product of the stacked blocks gives, for every row, the float32 sum of its
     block-by-block products rounded once, and a row's result does not depend on the rows beside it."""
-    from dspark.decoder import MAX_INVARIANT_K, KSplitWeight, linear
+    from dspark.decoder import MAX_INVARIANT_K, KSplitWeight, linear, packing_available
 
     torch.manual_seed(0)
     w = (0.05 * torch.randn(96, 2 * MAX_INVARIANT_K)).bfloat16()
+    if packed and not packing_available(w):
+        pytest.skip("oneDNN's bfloat16 products do not run on this CPU (or torch has no oneDNN)")
     split = KSplitWeight(w, packed)
     assert split.splits == 2
     x = torch.randn(16, 2 * MAX_INVARIANT_K).bfloat16()
@@ -342,10 +345,12 @@ def test_a_bfloat16_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch():
     assert invariance_failures(target, prompt_len=70) == []
 
 
-def test_a_float32_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch_through_padded_products():
-    """float32 products of 1-3 rows round unlike those of 4 or more (MKL picks other kernels): padded to
-    MIN_ROWS_FLOAT32 rows, a step equals the same row in any block; unpadded, it does not."""
-    target = tiny_target(hidden=64, dtype=torch.float32)
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_float32_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch_through_padded_products(packed):
+    """float32 products of 1-3 rows round unlike those of 4 or more (MKL picks other kernels; oneDNN's packed
+    product another for 1 row): padded to MIN_ROWS_FLOAT32 rows, a step equals the same row in any block; unpadded,
+    it does not."""
+    target = tiny_target(hidden=64, dtype=torch.float32).use_packed_weights(packed)
     assert target.decoder.batch_invariant and target.decoder.min_rows == MIN_ROWS_FLOAT32
     assert invariance_failures(target, prompt_len=70) == []
     target.decoder.min_rows = 1
@@ -353,20 +358,24 @@ def test_a_float32_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch_throug
 
 
 @pytest.mark.real
-@pytest.mark.parametrize("precision", ["float32", "bfloat16", "bfloat16-packed", "int8", "int4"])
+@pytest.mark.parametrize(
+    "precision", ["float32", "float32-packed", "bfloat16", "bfloat16-packed", "int8", "int4", "int4-float32-prompts"]
+)
 def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
     from dspark.decoder import packing_available
     from dspark.target import Target
 
-    quantize = precision if precision in ("int8", "int4") else None
-    dtype = "float32" if precision == "float32" else "bfloat16"
+    quantize = next((kind for kind in ("int8", "int4") if precision.startswith(kind)), None)
+    dtype = "float32" if precision.startswith("float32") else "bfloat16"
     target = Target.load("smollm2-135m-instruct", dtype=dtype, quantize=quantize)
     if precision.endswith("packed"):
         if not packing_available(target.lm_head.weight):
-            pytest.skip("oneDNN's bfloat16 kernels do not run on this CPU")
+            pytest.skip(f"oneDNN's {dtype} kernels do not run on this CPU")
         target.use_packed_weights(True)
-    elif precision == "bfloat16":
+    elif quantize is None:
         target.use_packed_weights(False)
+    if precision.endswith("prompts"):
+        target.decoder.use_prefill_form("float32")
     assert invariance_failures(target) == []
 
 

@@ -1,14 +1,16 @@
 """Machine tuning, in one place and run only when asked (`dspark autotune`, or the commands that load a target for
 decoding, once per machine): what this CPU can do, which precision the target runs fastest in (`--dtype auto`), in
-which form its matrix products run (few-row products transposed, packed bfloat16 weights), and the cost table the
-scheduler plans with. Every decision is timed on the real forward once per machine, target, precision, thread
+which form its matrix products run (few-row products transposed, packed weights, a quantized target's prompts), and
+the cost table the scheduler plans with. Every decision is timed on the real forward once per machine, target, precision, thread
 count and revision of dspark's code (`models.code_revision`: an upgrade re-measures) and kept in the dspark cache
 (`~/.cache/dspark`); loading a model never measures anything.
 
 bfloat16 halves the bytes every step streams, but only CPUs with native bfloat16 arithmetic (AMX or AVX-512-BF16)
-compute it fast; elsewhere it is emulated and slower than float32. Every precision runs batch-invariant on a CPU
-(decoder.py), so speculative output equals plain output token for token in it; since that rests on how the machine's
-kernels round, `--dtype auto` picks only a precision whose real forward passed the invariance check here.
+compute it fast; elsewhere it is emulated. Which precision is fastest is measured, never guessed from the flags (on
+a 2-core AVX2-only EPYC, int4 with bfloat16 activations ran a step 3x faster than float32). Every precision runs
+batch-invariant on a CPU (decoder.py), so speculative output equals plain output token for token in it; since that
+rests on how the machine's kernels round, `--dtype auto` picks only a precision whose real forward passed the
+invariance check here.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from dspark.decoder import packing_available
+from dspark.decoder import PREFILL_FORMS, packing_available
+from dspark.errors import DSparkError
 from dspark.fsutil import atomic_write_json
 from dspark.models import machine_cache_file, machine_cache_files
 from dspark.scheduling.profile import CostTable, profile_target
@@ -64,48 +67,42 @@ def cpu_flags() -> set[str]:
 
 
 def native_bf16_flags() -> list[str]:
-    """This CPU's flags for native bfloat16 arithmetic; empty where bfloat16 is emulated (and slower than float32)."""
+    """This CPU's flags for native bfloat16 arithmetic; empty where bfloat16 is emulated."""
     flags = cpu_flags()
     return sorted(f for f in NATIVE_BF16_FLAGS if f in flags)
 
 
 def choose_precision(model: str, load) -> PrecisionChoice:
     """The precision for `model` on this machine; `load(precision)` returns a Target (only called when measuring).
-    Only precisions whose forward is batch-invariant here (`invariance_failures`, on the real forward) are eligible,
-    so that speculative output equals plain output by construction. With native bfloat16, the eligible precision
-    whose 1-token step plus 8-token verify is cheapest among those that keep the model's weights (Target.keeps_weights):
-    float32, bfloat16, and int4 where the weights come from a 4-bit file of its layout. Without it, float32 (bfloat16
-    is emulated there, slower), or bfloat16 if float32 is not batch-invariant on this CPU. int8, and int4 that would
-    round the weights, change the model; they are run only when asked for (`dspark bench quality` measures how far
-    each precision stays from float32)."""
+    Among the precisions that keep the model's weights (Target.keeps_weights: float32, bfloat16, and int4 where the
+    weights come from a 4-bit file of its layout), the one whose 1-token step plus 8-token verify is cheapest here and
+    whose forward is batch-invariant here (`invariance_failures`, on the real forward, checked fastest first), so that
+    speculative output equals plain output by construction. Measured on every CPU: which is fastest depends on more
+    than its flags (bfloat16 is emulated without AMX or AVX-512-BF16, yet int4's bfloat16 kernel or a slow float32
+    BLAS can still win). int8, and int4 that would round the weights, change the model; they are run only when asked
+    for (`dspark bench quality` measures how far each precision stays from float32)."""
     path = machine_cache_file("precision", model)
     if path.exists():
         return PrecisionChoice(**json.loads(path.read_text()))
-    native = native_bf16_flags()
-    if not native:
-        invariant = next((d for d in ("float32", "bfloat16") if not invariance_failures(load(d))), None)
-        reason = "this CPU has no native bfloat16 (no AMX / AVX-512-BF16), so float32 is faster"
-        if invariant == "bfloat16":
-            reason = "this CPU has no native bfloat16, but float32 is not batch-invariant on it: bfloat16, emulated"
-        elif invariant is None:
-            reason += f"; {NOT_INVARIANT}"
-        choice = PrecisionChoice(invariant or "float32", reason, {})
-        atomic_write_json(path, asdict(choice))
-        return choice
     targets = {precision: load(precision) for precision in ("float32", "bfloat16", "int4")}
     rounded = [precision for precision, target in targets.items() if not target.keeps_weights]
-    varying = [p for p, target in targets.items() if p not in rounded and invariance_failures(target)]
-    eligible = [p for p in targets if p not in rounded and p not in varying] or ["float32"]  # see NOT_INVARIANT
-    times = {precision: {"1": float("inf"), "8": float("inf")} for precision in eligible}
+    times = {p: {"1": float("inf"), "8": float("inf")} for p in targets if p not in rounded}
     for _ in range(3):  # interleaved, the best of each kept: load from elsewhere slows all alike (the choice is cached)
         for precision in times:
             table = profile_target(targets[precision], token_counts=(1, 8), context=128, repeats=3)
             for n, ms in zip(table.token_counts, table.step_time_ms):
                 times[precision][str(n)] = min(times[precision][str(n)], ms)
-    cost = {precision: t["1"] + t["8"] for precision, t in times.items()}
-    dtype = min(cost, key=cost.get)
-    steps = ", ".join(f"{p} {t['1']:.1f} + {t['8']:.1f} ms" for p, t in times.items())
-    reason = f"this CPU has {'/'.join(native)}; measured here, a 1-token step plus an 8-token verify took {steps}"
+    by_cost = sorted(times, key=lambda p: times[p]["1"] + times[p]["8"])
+    varying = []
+    for precision in by_cost:
+        if not invariance_failures(targets[precision]):
+            break
+        varying.append(precision)
+    dtype = next((p for p in by_cost if p not in varying), "float32")  # see NOT_INVARIANT
+    native = native_bf16_flags()
+    flags = f"this CPU has {'/'.join(native)}" if native else "this CPU has no native bfloat16 (no AMX / AVX-512-BF16)"
+    steps = ", ".join(f"{p} {times[p]['1']:.1f} + {times[p]['8']:.1f} ms" for p in by_cost)
+    reason = f"{flags}; measured here, a 1-token step plus an 8-token verify took {steps}"
     if rounded:
         reason += f" ({', '.join(rounded)} left out: it would round this model's weights; --dtype asks for it)"
     if varying:
@@ -154,7 +151,7 @@ def invariance_failures(
 
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     """Run the products in the forms that are faster on this machine: few-row products (the verify of a few
-    drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, for bfloat16 with oneDNN, packed weights or not
+    drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, where oneDNN runs the precision, packed weights or not
     (decoder.PackedWeight). Real forwards of 4 and 8 new tokens (and of 1, for packing) are timed in each form
     once per machine, precision and thread count (a few seconds), then read from the dspark cache."""
     path = machine_cache_file("kernels", target.name, str(target.dtype).removeprefix("torch."))
@@ -246,9 +243,39 @@ def drafter_shape_key(drafter) -> str:
     return hashlib.sha1(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:10]
 
 
+def choose_prefill_form(target: Target, prompt_len: int = 128, repeats: int = 2) -> Target:
+    """Read prompts of a quantized target in the form that is fastest on this machine (decoder.PREFILL_FORMS: its
+    bfloat16 matrices, float32 copies of them, or its quantized kernels): a prompt is timed in each form, interleaved,
+    once per machine, precision and thread count, then read from the dspark cache."""
+    decoder = target.decoder
+    path = machine_cache_file("kernels", target.name, target.precision, "prefill")
+    try:
+        decoder.use_prefill_form(json.loads(path.read_text())["prefill_form"])
+        return target
+    except (OSError, ValueError, KeyError, DSparkError):
+        pass  # not measured yet here (or the file is damaged): measure
+    ids = torch.randint(0, min(target.vocab_size, 5000), (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    best = {form: float("inf") for form in PREFILL_FORMS}
+    for _ in range(repeats):
+        for form in PREFILL_FORMS:
+            decoder.use_prefill_form(form)
+            start = time.perf_counter()
+            target.prefill(target.new_cache(1), ids)
+            best[form] = min(best[form], time.perf_counter() - start)
+    # Another form only where it is clearly faster on a prompt long enough to time (not a tiny test model's): a
+    # coin-flip choice would make otherwise identical runs differ in their last bits.
+    fastest = min(best, key=best.get)
+    form = fastest if best["bfloat16"] > 0.05 and best[fastest] < 0.85 * best["bfloat16"] else "bfloat16"
+    decoder.use_prefill_form(form)
+    atomic_write_json(path, {"prefill_form": form, "prompt_ms": {k: round(1000 * v, 1) for k, v in best.items()}})
+    return target
+
+
 def tune(target: Target) -> Target:
     """The target in this machine's fastest product forms (measured the first time, then read from the cache)."""
-    return choose_product_forms(target) if target.device.type == "cpu" and not target.quantized else target
+    if target.device.type != "cpu":
+        return target
+    return choose_prefill_form(target) if target.quantized else choose_product_forms(target)
 
 
 def autotune(model: str, force: bool = False, progress=print) -> dict:
@@ -272,6 +299,10 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
         "machine": {"cpu": cpu_name(), "native_bfloat16": native_bf16_flags(), "threads": torch.get_num_threads()},
         "precision": asdict(choice),
         "batch_invariant": target.decoder.batch_invariant,
-        "product_forms": {"few_rows_transposed": target.decoder.few_rows_transposed, "packed": target.decoder.packed},
+        "product_forms": {
+            "few_rows_transposed": target.decoder.few_rows_transposed,
+            "packed": target.decoder.packed,
+            "prefill": target.decoder.prefill_form,
+        },
         "cost_table_ms": dict(zip(table.token_counts, table.step_time_ms)),
     }

@@ -238,10 +238,11 @@ def quantized_weight(weight: torch.Tensor, bits: int) -> Int8Weight | Int4Weight
 
 
 class PackedWeight:
-    """A bfloat16 matrix reordered once into oneDNN's blocked layout. F.linear reorders the weight on every call; on
-    an AMX Xeon a decode step's products streamed the packed weights 1.3-1.5x faster at 1, 8 and 64 rows (the same
-    products up to bfloat16 rounding, which can move near-tie tokens). `dense` stays for everything else that reads
-    the matrix."""
+    """A bfloat16 or float32 matrix reordered once into oneDNN's blocked layout. F.linear reorders a bfloat16 weight on
+    every call; on an AMX Xeon a decode step's products streamed the packed weights 1.3-1.5x faster at 1, 8 and 64
+    rows (the same products up to rounding, which can move near-tie tokens). float32's F.linear runs MKL, whose
+    few-row products are slow on some CPUs (2-core AVX2-only EPYC, LM head at 4 rows: MKL 32, oneDNN 14 ms).
+    `dense` stays for everything else that reads the matrix."""
 
     def __init__(self, weight: torch.Tensor):
         self.dense = weight
@@ -293,20 +294,32 @@ class KSplitWeight:
         self.stacked = PackedWeight(stacked) if packed else stacked
 
 
+class Float32Weight:
+    """A bfloat16 matrix kept as a float32 copy, for products with bfloat16 rows where float32 arithmetic is faster
+    (prompts of a quantized decoder on a CPU without native bfloat16): the rows are multiplied in float32, padded to
+    MIN_ROWS_FLOAT32, packed where oneDNN runs float32, and the result rounded back to bfloat16."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dense = weight
+        matrix = weight.float()
+        self.product = PackedWeight(matrix) if packing_available(matrix) else matrix
+
+
 def dense(weight):
-    """The plain matrix behind a product form (packed or column-split); a plain tensor as it is."""
-    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight)) else weight
+    """The plain matrix behind a product form (packed, column-split or float32 copy); a plain tensor as it is."""
+    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight, Float32Weight)) else weight
 
 
 def packing_available(weight: torch.Tensor) -> bool:
-    """Packed products exist for bfloat16 on a CPU torch built with oneDNN whose kernels run on this CPU."""
-    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and _onednn_bfloat16_runs()
+    """Packed products exist on a CPU torch built with oneDNN: for float32, and for bfloat16 where oneDNN's bfloat16
+    kernels run on this CPU."""
+    if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and _onednn_bfloat16_runs())
 
 
 @functools.cache
 def _onednn_bfloat16_runs() -> bool:
-    if not torch.backends.mkldnn.is_available():
-        return False
     try:  # oneDNN may refuse bfloat16 on a CPU without the instructions for it
         weight = torch.ops.mkldnn._reorder_linear_weight(torch.ones(16, 16, dtype=torch.bfloat16), 1)
         torch.ops.mkldnn._linear_pointwise(torch.ones(2, 16, dtype=torch.bfloat16), weight, None, "none", [], "")
@@ -319,7 +332,8 @@ def _onednn_bfloat16_runs() -> bool:
 # (measured on a 2-core AMD EPYC: a row's product over 1-3 rows differs from the same row among 4 or more in the
 # last bits, while 4-512 rows all agree bitwise, on 1 and 2 threads and for every matrix of the model). A
 # batch-invariant float32 decoder pads its products to this many rows; `dspark.autotune` checks the whole forward on
-# the machine before `--dtype auto` picks float32.
+# the machine before `--dtype auto` picks float32. oneDNN's packed float32 product (PackedWeight) agrees from 2 rows
+# on (2-core AVX2-only EPYC, 2-300 rows): the same padding covers both forms.
 MIN_ROWS_FLOAT32 = 4
 
 # Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
@@ -338,6 +352,10 @@ def linear(
     on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round differently
     from a verify)."""
     rows = x.numel() // x.shape[-1]
+    # min_rows first: a compiled graph's row count is symbolic. The bias goes inside the padded product.
+    if min_rows > 1 and rows < min_rows:
+        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, min_rows - rows))
+        return linear(padded, weight, bias, few_rows_transposed)[:rows].view(*x.shape[:-1], -1)
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
     elif isinstance(weight, Int4Weight):
@@ -347,15 +365,14 @@ def linear(
         out = weight.logits(x.reshape(rows, -1))
     elif isinstance(weight, PackedWeight):
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), weight.packed, None, "none", [], "")
+    elif isinstance(weight, Float32Weight):
+        out = linear(x.reshape(rows, -1).float(), weight.product, min_rows=MIN_ROWS_FLOAT32).to(x.dtype)
     elif isinstance(weight, KSplitWeight):
         n = weight.splits
         parts = linear(x.reshape(rows * n, -1), weight.stacked).view(rows, n, n, -1)
         out = torch.diagonal(parts, dim1=1, dim2=2).sum(-1)  # bfloat16 sums accumulate in float32, round once
     elif few_rows_transposed and 2 <= rows <= FEW_ROWS:
         out = (weight @ x.reshape(rows, -1).T).T
-    elif rows < min_rows:  # the bias inside the product, as F.linear adds it for more rows
-        padded = F.pad(x.reshape(rows, -1), (0, 0, 0, min_rows - rows))
-        return F.linear(padded, weight, bias)[:rows].view(*x.shape[:-1], -1)
     else:
         return F.linear(x, weight, bias)
     out = out.view(*x.shape[:-1], out.shape[-1])
@@ -363,6 +380,7 @@ def linear(
 
 
 PRODUCTS = ("qkv_w", "o_w", "gate_up", "down")  # the matrices of a layer's products, by their names in LeanDecoder
+PREFILL_FORMS = ("bfloat16", "float32", "quantized")  # how a quantized decoder multiplies prompts (use_prefill_form)
 
 
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -451,7 +469,10 @@ class LeanDecoder:
         self.packed: bool | None = None  # no product form chosen yet
         self.compiled = None  # the one-row decode step as one compiled graph (compile), or eager
         self.pack(False)
-        # A quantized decoder reads prompts with the float matrices (see quantize); None: prompts read like the rest.
+        # A quantized decoder's float matrices, and the form it reads prompts with (use_prefill_form); None: prompts
+        # are read like the rest.
+        self.float_weights: list[dict] = []
+        self.prefill_form: str | None = None
         self.prefill_weights: list[dict] | None = None
 
     @property
@@ -491,22 +512,40 @@ class LeanDecoder:
 
     def quantize(self, bits: int) -> float:
         """Weight-only int8 or 4-bit (quantized_weight) for every matrix of every layer (the embedding lookup stays as
-        it is). The HF model keeps its float weights: it stays the reference, and a prefill multiplies by them
-        (`prefill_weights`): the quantized kernels dequantize the weights again for every few rows, so their cost
-        grows with every row, where a float product of a whole prompt is bound by arithmetic (a 150-token prompt,
-        int4, 2-core EPYC with AVX-512-BF16, 1 / 2 threads: 554 / 266 against 285 / 183 ms, packed where oneDNN runs
-        bfloat16). Returns the largest `error` of the quantized matrices."""
+        it is). The HF model keeps its float weights: it stays the reference, and a prefill multiplies by them in
+        bfloat16 (`use_prefill_form`; the machine's tuning may pick another form). Returns the largest `error` of the
+        quantized matrices."""
         self.fixed()
         error = 0.0
-        packed = packing_available(dense(self.layers[0]["qkv_w"]))
-        self.prefill_weights = []
+        self.float_weights = []
         for p in self.layers:
-            self.prefill_weights.append({})
+            self.float_weights.append({name: dense(p[name]) for name in PRODUCTS})
             for name in PRODUCTS:
-                self.prefill_weights[-1][name] = self.product_form(p[name], packed)
                 p[name] = quantized_weight(dense(p[name]), bits)
                 error = max(error, p[name].error)
+        self.use_prefill_form("bfloat16")
         return error
+
+    def use_prefill_form(self, form: str) -> None:
+        """How a quantized decoder multiplies prompts (one of PREFILL_FORMS): "bfloat16", its float matrices (packed
+        where oneDNN runs bfloat16); "float32", copies of them in float32 (Float32Weight); "quantized", its quantized
+        matrices. The quantized kernels dequantize the weights again for every few rows, so their cost grows with
+        every row, where a float product of a whole prompt is bound by arithmetic; but bfloat16 is emulated on CPUs
+        without AMX or AVX-512-BF16. A 150-token prompt's products, 2 threads: 2-core EPYC with AVX-512-BF16, int4
+        266 against bfloat16 183 ms; 2-core AVX2-only EPYC, bfloat16 2,714, int4 751, float32 360 ms. Every decoding
+        loop prefills alike, so plain and speculative decoding agree whichever form reads the prompts."""
+        if form not in PREFILL_FORMS:
+            raise DSparkError(f"unknown prefill form {form!r}; one of {', '.join(PREFILL_FORMS)}")
+        self.prefill_form = form
+        if form == "quantized":
+            self.prefill_weights = None
+            return
+        packed = packing_available(self.float_weights[0]["qkv_w"])
+
+        def prefill_weight(matrix):
+            return Float32Weight(matrix) if form == "float32" else self.product_form(matrix, packed)
+
+        self.prefill_weights = [{name: prefill_weight(w) for name, w in layer.items()} for layer in self.float_weights]
 
     def pack(self, packed: bool) -> None:
         """Every layer's matrices as PackedWeight (or back to the plain tensors); in batch-invariant mode, matrices
