@@ -1,9 +1,9 @@
 """Machine tuning, in one place and run only when asked (`dspark autotune`, or the commands that load a target for
 decoding, once per machine): what this CPU can do, which precision the target runs fastest in (`--dtype auto`), in
 which form its matrix products run (few-row products transposed, packed weights, a quantized target's prompts), and
-the cost table the scheduler plans with. Every decision is timed on the real forward once per machine, target, precision, thread
-count and revision of dspark's code (`models.code_revision`: an upgrade re-measures) and kept in the dspark cache
-(`~/.cache/dspark`); loading a model never measures anything.
+the cost table the scheduler plans with. Every decision is timed on the real forward once per machine, target,
+precision, thread count and revision of dspark's code (`models.code_revision`: an upgrade re-measures) and kept in
+the dspark cache (`~/.cache/dspark`); loading a model never measures anything.
 
 bfloat16 halves the bytes every step streams, but only CPUs with native bfloat16 arithmetic (AMX or AVX-512-BF16)
 compute it fast; elsewhere it is emulated. Which precision is fastest is measured, never guessed from the flags (on
