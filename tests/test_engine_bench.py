@@ -166,14 +166,23 @@ def test_int4_weights_recover_a_q4_1_grid_exactly():
     assert torch.equal(product.float(), weight.T)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
-    """Weight-only int8 and int4: logits near the float model's; plain and speculative decoding of the quantized
-    target agree token for token (they share it), under a noisy oracle that gets most drafts accepted."""
+def decode_plain_and_speculative(target):
+    """Three prompts decoded greedily by plain decoding (their token ids) and by the speculative engine under a noisy
+    oracle that gets most drafts accepted (its results)."""
     from conftest import NoisyOracle
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
 
+    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
+    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
+    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.2))
+    return expected, engine.generate(prompts, 30)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
+    """Weight-only int8 and int4: logits near the float model's; plain and speculative decoding of the quantized
+    target agree token for token (they share it), under a noisy oracle that gets most drafts accepted."""
     exact = tiny_target(eos=7, hidden=64)
     quantized = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16).quantize(kind)
     assert quantized.precision == kind
@@ -182,10 +191,7 @@ def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
     tolerance = 0.05 if kind == "int8" else 0.25  # 16 levels a group of random weights: coarse, but near
     assert not torch.equal(a, b) and (a - b).abs().max() < tolerance * a.abs().max()
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
-    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
-    expected = [r.token_ids for r in generate_plain(quantized, prompts, 30)]
-    engine = SpeculativeEngine(quantized, NoisyOracle(quantized, prompts, block_size=4, noise=0.2))
-    results = engine.generate(prompts, 30)
+    expected, results = decode_plain_and_speculative(quantized)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.tokens - r.stats.rounds for r in results) > 20
 
@@ -221,10 +227,6 @@ def test_a_quantized_target_reads_prompts_in_another_form_alike_alone_and_in_a_b
     """The other prefill forms, float32 copies of the float weights or the quantized kernels themselves: a prompt's
     logits are bitwise the same alone and beside another prompt, its cache near the bfloat16 form's but not its
     own, and plain and speculative decoding still agree token for token."""
-    from conftest import NoisyOracle
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.plain import generate_plain
-
     target = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16).quantize("int4")
     ids, lengths = torch.randint(0, 90, (2, 20)), torch.tensor([20, 13])
     caches = {}
@@ -235,10 +237,8 @@ def test_a_quantized_target_reads_prompts_in_another_form_alike_alone_and_in_a_b
         assert torch.equal(out.logits[1:], target.prefill(target.new_cache(1), ids[1:, :13]).logits)
     keys = caches[form].k.float(), caches["bfloat16"].k.float()
     assert not torch.equal(*keys) and torch.allclose(*keys, atol=0.15 if form == "quantized" else 0.02)
-    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
-    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
-    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.2))
-    assert [r.token_ids for r in engine.generate(prompts, 30)] == expected
+    expected, results = decode_plain_and_speculative(target)
+    assert [r.token_ids for r in results] == expected
 
 
 def test_the_prefill_form_is_the_fastest_measured_here_and_kept(monkeypatch, tmp_path):
