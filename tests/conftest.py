@@ -246,3 +246,15 @@ def saved_drafter(tmp_path):
     (ckpt / "calibration.json").write_text(json.dumps({"sts_temperatures": [1.0] * 5}))
     (ckpt / "MODEL_CARD.md").write_text("# card\n")
     return folder, ckpt, target
+
+
+def decode_plain_and_speculative(target):
+    """Three prompts decoded greedily by plain decoding (their token ids) and by the speculative engine under a noisy
+    oracle that gets most drafts accepted (its results)."""
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.decoding.plain import generate_plain
+
+    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
+    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
+    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.2))
+    return expected, engine.generate(prompts, 30)

@@ -178,7 +178,7 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
     anchor = torch.tensor([5])
     proposals = []
     for packed in (True, False):
-        drafter.use_packed_weights(packed)
+        drafter.use_product_form("packed" if packed else "plain")
         cache = drafter.new_cache(1)
         drafter.extend_context(cache, features, torch.tensor([12]))
         params = SamplingParams(temperature=1.0, seed=0)
@@ -190,6 +190,42 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
     saved.extend_context(cache, features, torch.tensor([12]))
     params = SamplingParams(temperature=1.0, seed=0)
     assert torch.equal(saved.propose(cache, anchor, params, params.generators(1)).probs, proposals[1].probs)
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="x86 only")
+def test_a_drafter_proposes_through_float16_products_near_its_own_and_back(monkeypatch):
+    """The float16 form (FBGEMM's weights, chosen where the target's LM head found them faster): every product a
+    proposal makes goes through it, the proposals stay near the plain drafter's, and "plain" restores its exact
+    products; an unknown form is refused."""
+    from dspark.decoder import Float16Weight, PackedLinear
+
+    target = tiny_target(hidden=64, dtype=torch.bfloat16)
+    drafter = tiny_drafter(target, draft_vocab_size=40).to(torch.bfloat16).eval()
+    features = torch.randn(1, 12, drafter.fc.in_features, dtype=torch.bfloat16)
+
+    def propose():
+        cache = drafter.new_cache(1)
+        drafter.extend_context(cache, features, torch.tensor([12]))
+        params = SamplingParams(temperature=1.0, seed=0)
+        return drafter.propose(cache, torch.tensor([5]), params, params.generators(1)).probs
+
+    plain = propose()
+    drafter.use_product_form("float16")
+    assert {type(m.form) for m in drafter.modules() if isinstance(m, PackedLinear)} == {Float16Weight}
+    assert all(isinstance(p.gate_up.weight, Float16Weight) for _, p in drafter.layers_for_inference())
+    shapes = []
+    product = Float16Weight.product
+    monkeypatch.setattr(
+        Float16Weight, "product", lambda self, rows: shapes.append(self.dense.shape) or product(self, rows)
+    )
+    in_float16 = propose()
+    # every product: the context's k/v, the block's q/k/v, o, gate/up and down per layer, fc, the draft LM head, ...
+    assert (40, 64) in shapes and len(shapes) >= 6 * len(drafter.layers) + 2
+    torch.testing.assert_close(in_float16, plain, rtol=0.05, atol=0.02)
+    drafter.use_product_form("plain")
+    assert torch.equal(propose(), plain)
+    with pytest.raises(DSparkError, match="unknown product form"):
+        drafter.use_product_form("float8")
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")

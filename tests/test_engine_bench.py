@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
+from conftest import decode_plain_and_speculative, tiny_drafter, tiny_target
 from dspark.target import Target
 
 
@@ -166,19 +166,6 @@ def test_int4_weights_recover_a_q4_1_grid_exactly():
     assert torch.equal(product.float(), weight.T)
 
 
-def decode_plain_and_speculative(target):
-    """Three prompts decoded greedily by plain decoding (their token ids) and by the speculative engine under a noisy
-    oracle that gets most drafts accepted (its results)."""
-    from conftest import NoisyOracle
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.plain import generate_plain
-
-    prompts = [[3, 9, 14], [5], [20, 21, 22, 23, 24]]
-    expected = [r.token_ids for r in generate_plain(target, prompts, 30)]
-    engine = SpeculativeEngine(target, NoisyOracle(target, prompts, block_size=4, noise=0.2))
-    return expected, engine.generate(prompts, 30)
-
-
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_quantized_target_is_close_to_float_and_speculation_stays_exact(kind):
     """Weight-only int8 and int4: logits near the float model's; plain and speculative decoding of the quantized
@@ -266,6 +253,41 @@ def test_the_prefill_form_is_the_fastest_measured_here_and_kept(monkeypatch, tmp
     assert autotune.tune(again).decoder.prefill_form == "float32"  # read from the cache
     with pytest.raises(DSparkError, match="unknown prefill form"):
         again.decoder.use_prefill_form("float16")
+
+
+@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="x86 only")
+@pytest.mark.parametrize("faster", [True, False])
+def test_the_lm_head_takes_float16_where_it_is_measured_faster_and_the_drafter_follows(monkeypatch, tmp_path, faster):
+    """tune times a step and an 8-token verify with the target's own head and with FBGEMM's float16 head, keeps the
+    float16 one only where it is clearly faster, records it, and reads it back unmeasured; a drafter loaded for the
+    target multiplies in the same form."""
+    from dspark import autotune
+    from dspark.decoder import Float16Weight, PackedLinear
+    from dspark.drafter import load_drafter
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    monkeypatch.setattr(autotune, "TIMED_HEAD_WEIGHTS", 0)  # the tiny head counts as one worth timing
+    target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    seconds = {"model": 0.03, "float16": 0.01 if faster else 0.029}
+    clock = [0.0]
+    monkeypatch.setattr(autotune.time, "perf_counter", lambda: clock[0])
+    forward = target.forward
+
+    def timed(*args, **kwargs):  # a forward takes its head form's time on the fake clock
+        clock[0] += seconds[target.head_form]
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", timed)
+    assert autotune.tune(target).head_form == ("float16" if faster else "model")
+    record = json.loads(next((tmp_path / "kernels").glob("*head*")).read_text())
+    assert record["float16_head"] is faster and set(record["verify_8_ms"]) == set(seconds)
+    again = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    monkeypatch.setattr(again, "forward", lambda *a, **k: pytest.fail("measured again"))
+    assert autotune.tune(again).head_form == target.head_form  # read from the cache
+    tiny_drafter(again, draft_vocab_size=40).save(tmp_path / "d", again.identity())
+    drafter = load_drafter(tmp_path / "d", again)
+    forms = {type(m.form) for m in drafter.modules() if isinstance(m, PackedLinear)}
+    assert (forms == {Float16Weight}) is faster
 
 
 def test_closeness_counts_agreement_kl_and_likelihood():

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
+from conftest import decode_plain_and_speculative, tiny_drafter, tiny_target
 from dspark.autotune import invariance_failures
 from dspark.decoder import MIN_ROWS_FLOAT32
 from dspark.decoding.plain import generate_plain
@@ -357,9 +357,79 @@ def test_a_float32_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch_throug
     assert invariance_failures(target, prompt_len=70, ragged=False) != []  # the padding is what makes it hold
 
 
+needs_fbgemm = pytest.mark.skipif(
+    "fbgemm" not in torch.backends.quantized.supported_engines, reason="FBGEMM's float16 products are x86-only"
+)
+
+
+@needs_fbgemm
+def test_float16_products_of_a_row_are_the_same_whatever_rows_share_them():
+    """FBGEMM's kernels of 1-2 rows round unlike those of 3-6 on some CPUs: every count of rows is padded to one its
+    kernels agree on, so each row of a product of 1..300 rows (several calls beyond FLOAT16_ROWS) is its product
+    alone; the sums are float32 sums of float16 weights. Without the padding the rows differ."""
+    from dspark.decoder import FLOAT16_ROWS, Float16Weight, float16_row_counts, linear
+
+    g = torch.Generator().manual_seed(0)
+    weight, rows = torch.randn(200, 576, generator=g).bfloat16(), torch.randn(300, 576, generator=g).bfloat16()
+    form = Float16Weight(weight)
+    together = form.product(rows)
+    assert together.dtype == torch.float32 and len(float16_row_counts()) == FLOAT16_ROWS + 1
+    assert all(torch.equal(form.product(rows[:n]), together[:n]) for n in range(1, 300))
+    assert all(torch.equal(form.product(rows[i : i + 1]), together[i : i + 1]) for i in range(0, 300, 7))
+    torch.testing.assert_close(together, rows.float() @ weight.float().T, rtol=0, atol=2e-3)
+    assert torch.equal(linear(rows[:5], form), together[:5].bfloat16())  # rounded back to the rows' precision
+    unpadded = torch.ops.quantized.linear_dynamic_fp16(rows[:8].float(), form.packed)
+    differ = [
+        n
+        for n in range(1, 9)
+        if not torch.equal(torch.ops.quantized.linear_dynamic_fp16(rows[:n].float(), form.packed), unpadded[:n])
+    ]
+    assert bool(differ) == any(float16_row_counts()[n] != n for n in range(1, 9))
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("quantize", [None, "int4"])
+def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged_batch(quantize):
+    """A bfloat16 or int4 target whose LM head runs through FBGEMM's float16 weights: float32 logits near the
+    bfloat16 head's, batch-invariant, and plain decoding equals speculative decoding; switching back restores the
+    head it had."""
+    from dspark.decoder import Float16Weight, dense
+
+    target = tiny_target(hidden=64, dtype=torch.bfloat16)
+    if quantize:
+        target.quantize(quantize)
+    before = target.head_weight
+    ids = torch.randint(0, 90, (1, 30))
+    model_logits = target.prefill(target.new_cache(1), ids).logits
+    target.use_float16_head(True)
+    assert target.head_form == "float16"
+    logits = target.prefill(target.new_cache(1), ids).logits
+    assert not torch.equal(logits, model_logits) and torch.allclose(logits, model_logits, atol=0.05)
+    assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
+    assert invariance_failures(target, prompt_len=70) == []
+    expected, results = decode_plain_and_speculative(target)
+    assert [r.token_ids for r in results] == expected
+    assert isinstance(target.use_packed_weights(False).head_weight, Float16Weight)  # other forms keep it
+    back = target.use_float16_head(False).head_weight
+    assert isinstance(back, type(before)) and torch.equal(dense(back), dense(before)) and target.head_form == "model"
+    with pytest.raises(DSparkError, match="float16 LM head"):
+        tiny_target(hidden=64, dtype=torch.float32).use_float16_head(True)
+
+
 @pytest.mark.real
 @pytest.mark.parametrize(
-    "precision", ["float32", "float32-packed", "bfloat16", "bfloat16-packed", "int8", "int4", "int4-float32-prompts"]
+    "precision",
+    [
+        "float32",
+        "float32-packed",
+        "bfloat16",
+        "bfloat16-packed",
+        "bfloat16-float16-head",
+        "int8",
+        "int4",
+        "int4-float32-prompts",
+        "int4-float16-head",
+    ],
 )
 def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
     from dspark.decoder import packing_available
@@ -376,6 +446,10 @@ def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(pre
         target.use_packed_weights(False)
     if precision.endswith("prompts"):
         target.decoder.use_prefill_form("float32")
+    if precision.endswith("float16-head"):
+        if not target.float16_head_possible:
+            pytest.skip("FBGEMM's float16 products are x86-only")
+        target.use_float16_head(True)
     assert invariance_failures(target) == []
 
 
@@ -445,6 +519,19 @@ def test_compiled_speculative_output_is_plain_output(compiled_tiny):
         spec = engine.generate([prompt], 24)[0]
         assert spec.stats.rounds < len(spec.token_ids)  # drafts were verified, several tokens a forward
         assert spec.token_ids == plain.token_ids
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("float16_head", [False, True])
+def test_compiling_keeps_a_float16_head_the_machine_chose_and_else_rescores(monkeypatch, float16_head):
+    """The compiled target's LM head: the float16 one where the machine's tuning chose it (it reads the head faster
+    than the rescored 4-bit one where it was chosen), else the rescored head. The graph itself is not built here."""
+    from dspark.decoder import Float16Weight, RescoredHead
+
+    target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").use_float16_head(float16_head)
+    monkeypatch.setattr(target.decoder, "compile", lambda: None)
+    head = target.compile().head_weight
+    assert isinstance(head, Float16Weight if float16_head else RescoredHead)
 
 
 def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(compiled_tiny):

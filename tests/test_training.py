@@ -485,7 +485,7 @@ def test_a_continued_drafter_widens_its_markov_rank_keeping_what_it_learned(tiny
     assert wide.config.markov_rank == 20 and wide.markov_head.markov_w1.weight.shape[1] == 20
     h, prev = torch.randn(5, target.hidden_size), torch.randint(0, 64, (5,))
     for d in (narrow, wide):
-        d.use_packed_weights(False)
+        d.use_product_form("plain")
     logits = lambda d: d.base_logits(h) + d.markov_head.step(prev, h, None)[0]
     assert torch.allclose(logits(wide), logits(narrow), atol=1e-6)
     assert torch.allclose(wide.confidence_logits(h, prev), narrow.confidence_logits(h, prev), atol=1e-6)

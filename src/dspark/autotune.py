@@ -149,6 +149,26 @@ def invariance_failures(
     return failures + [f"ragged row {j}" for j in range(8) if not torch.equal(out[j], block[j])]
 
 
+def time_forms(target: Target, forms: dict, widths: tuple[int, ...], repeats: int = 3) -> dict:
+    """Seconds of the fastest pass of forwards of `widths` new tokens after a 64-token prompt, per form (`forms`: a
+    name and how to switch the target to it), the forms interleaved and the best of repeats + 1 passes kept: robust
+    to other work on the machine."""
+    cache = target.new_cache(1)
+    # Its own generator: loading a model must not move the caller's random state (a seeded training run).
+    ids = torch.randint(0, min(target.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
+    target.prefill(cache, ids[:, :64])
+    best = {form: float("inf") for form in forms}
+    for _ in range(repeats + 1):
+        for form, apply in forms.items():
+            apply()
+            start = time.perf_counter()
+            for n in widths:
+                target.forward(cache, ids[:, 64 : 64 + n])
+                cache.rollback(cache.lengths - n)
+            best[form] = min(best[form], time.perf_counter() - start)
+    return best
+
+
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     """Run the products in the forms that are faster on this machine: few-row products (the verify of a few
     drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, where oneDNN runs the precision, packed weights or not
@@ -162,22 +182,9 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
         return target.use_packed_weights(bool(saved["packed"]))
     except (OSError, ValueError, KeyError):
         pass  # not measured yet here (or the file is damaged, or from before packing): measure
-    cache = target.new_cache(1)
-    # Its own generator: loading a model must not move the caller's random state (a seeded training run).
-    ids = torch.randint(0, min(target.vocab_size, 5000), (1, 72), generator=torch.Generator().manual_seed(0))
-    target.prefill(cache, ids[:, :64])
 
     def fastest(forms: dict, widths: tuple[int, ...]) -> dict:
-        best = {form: float("inf") for form in forms}
-        for _ in range(repeats + 1):  # forms interleaved, best of each: robust to other work on the machine
-            for form, apply in forms.items():
-                apply()
-                start = time.perf_counter()
-                for n in widths:
-                    target.forward(cache, ids[:, 64 : 64 + n])
-                    cache.rollback(cache.lengths - n)
-                best[form] = min(best[form], time.perf_counter() - start)
-        return best
+        return time_forms(target, forms, widths, repeats)
 
     def few_rows(form):
         return lambda: setattr(target.decoder, "few_rows_transposed", form)
@@ -271,11 +278,41 @@ def choose_prefill_form(target: Target, prompt_len: int = 128, repeats: int = 2)
     return target
 
 
+TIMED_HEAD_WEIGHTS = 1 << 22  # an LM head smaller than this is not timed: it keeps its form (see choose_head_form)
+
+
+def choose_head_form(target: Target, repeats: int = 3) -> Target:
+    """The LM head as FBGEMM's float16 weights (Target.use_float16_head) where that is clearly faster on this machine
+    in an 8-token verify and no slower in a step: forwards timed in both forms once per machine, precision and
+    thread count, then read from the dspark cache. Targets that cannot take it keep their head."""
+    if not target.float16_head_possible:
+        return target
+    path = machine_cache_file("kernels", target.name, target.precision, "head")
+    try:
+        return target.use_float16_head(bool(json.loads(path.read_text())["float16_head"]))
+    except (OSError, ValueError, KeyError):
+        pass  # not measured yet here (or the file is damaged): measure
+    forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
+    step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
+    # Only for a head large enough to time (not a tiny test model's): a coin-flip choice would make otherwise
+    # identical runs differ in their last bits.
+    real = target.lm_head.weight.numel() >= TIMED_HEAD_WEIGHTS
+    chosen = real and verify["float16"] < 0.9 * verify["model"] and step["float16"] < 1.05 * step["model"]
+    target.use_float16_head(chosen)
+    record = {
+        "float16_head": chosen,
+        "step_ms": {k: round(1000 * v, 2) for k, v in step.items()},
+        "verify_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()},
+    }
+    atomic_write_json(path, record)
+    return target
+
+
 def tune(target: Target) -> Target:
     """The target in this machine's fastest product forms (measured the first time, then read from the cache)."""
     if target.device.type != "cpu":
         return target
-    return choose_prefill_form(target) if target.quantized else choose_product_forms(target)
+    return choose_head_form(choose_prefill_form(target) if target.quantized else choose_product_forms(target))
 
 
 def autotune(model: str, force: bool = False, progress=print) -> dict:
@@ -303,6 +340,7 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
             "few_rows_transposed": target.decoder.few_rows_transposed,
             "packed": target.decoder.packed,
             "prefill": target.decoder.prefill_form,
+            "float16_head": target.head_form == "float16",
         },
         "cost_table_ms": dict(zip(table.token_counts, table.step_time_ms)),
     }

@@ -251,14 +251,14 @@ class PackedWeight:
 
 class PackedLinear(torch.nn.Module):
     """An nn.Linear for inference: the same parameters (state dicts, training and export see the plain layer), its
-    product through a PackedWeight copy while the weight is the one packed and no gradient is wanted, else through
-    F.linear. `plain()` gives the nn.Linear back."""
+    product through a copy in one of PRODUCT_FORMS while the weight is the one copied and no gradient is wanted,
+    else through F.linear. `plain()` gives the nn.Linear back."""
 
-    def __init__(self, layer: torch.nn.Linear):
+    def __init__(self, layer: torch.nn.Linear, form: str = "packed"):
         super().__init__()
         self.weight, self.bias = layer.weight, layer.bias
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.form = PackedWeight(layer.weight.data)
+        self.form = PRODUCT_FORMS[form](layer.weight.data)
         self.packed_from = (layer.weight.data_ptr(), layer.weight._version)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,8 +306,9 @@ class Float32Weight:
 
 
 def dense(weight):
-    """The plain matrix behind a product form (packed, column-split or float32 copy); a plain tensor as it is."""
-    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight, Float32Weight)) else weight
+    """The plain matrix behind a product form (packed, column-split, float32 or float16 copy); a plain tensor as it
+    is."""
+    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight, Float32Weight, Float16Weight)) else weight
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -328,6 +329,62 @@ def _onednn_bfloat16_runs() -> bool:
         return False
 
 
+class Float16Weight:
+    """A matrix as FBGEMM's packed float16 weights: float32 rows times float16 weights, summed in float32, through
+    AVX2 / AVX-512 kernels on any x86 CPU. Half the bytes of float32, where a bfloat16 product is emulated on CPUs
+    without AMX or AVX-512-BF16 (2-core AVX2-only EPYC, 49,152 x 576 at 1 / 8 rows: 3.1 / 5.5 against bfloat16's
+    4.5 / 29 ms). A bfloat16 matrix converts exactly but for entries below float16's normal range (2^-14), which move
+    by less than 2^-24. FBGEMM multiplies blocks of rows with kernels of several heights that do not all round alike,
+    so every product runs at a row count whose kernels agree (float16_row_counts): a row's product does not depend on
+    the rows beside it. `dense` stays for everything else that reads the matrix."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.dense = weight
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
+
+    def product(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, K] times the matrix, in float32 [n, N]: at most FLOAT16_ROWS rows a call, each call padded."""
+        padded_to = float16_row_counts()
+        parts = []
+        for part in rows.float().split(FLOAT16_ROWS):
+            n = part.shape[0]
+            part = F.pad(part, (0, 0, 0, padded_to[n] - n))
+            parts.append(torch.ops.quantized.linear_dynamic_fp16(part, self.packed)[:n])
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+FLOAT16_ROWS = 120  # rows per FBGEMM float16 call (FBGEMM's own block of rows)
+# The copies a matrix can be multiplied through beside itself: oneDNN's packed layout, FBGEMM's float16.
+PRODUCT_FORMS: dict[str, type[PackedWeight] | type[Float16Weight]] = {"packed": PackedWeight, "float16": Float16Weight}
+
+
+def float16_available() -> bool:
+    """FBGEMM's float16 products exist in x86 CPU builds of torch."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@functools.cache
+def float16_row_counts() -> list[int]:
+    """For n rows (1..FLOAT16_ROWS), the row count their FBGEMM float16 product runs at: the smallest >= n whose
+    products round every row as most row counts do. Found on this CPU by multiplying copies of one row (FBGEMM picks
+    its kernels by the CPU's instructions; on a 2-core AVX2-only EPYC its 1- and 2-row kernels round otherwise than
+    its 3- to 6-row ones, so 34 of the counts up to 120 are padded: 1 and 2 to 3, 7 to 8, 14 to 15, 31 and 32 to 33
+    ...)."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.ops.quantized.linear_prepack_fp16(torch.randn(64, 576, generator=g), None)
+    agrees = [True] * (FLOAT16_ROWS + 1)
+    for _ in range(2):  # two rows: a kernel that rounds otherwise could agree by chance on one
+        row = torch.randn(1, 576, generator=g)
+        outs = [torch.ops.quantized.linear_dynamic_fp16(row.expand(n, -1), weight) for n in range(FLOAT16_ROWS + 1)]
+        seen = [bytes(out[i].numpy()) for out in outs for i in range(out.shape[0])]
+        common = max(set(seen), key=seen.count)
+        for n, out in enumerate(outs):
+            agrees[n] &= all(bytes(out[i].numpy()) == common for i in range(n))
+    if not agrees[FLOAT16_ROWS]:
+        raise DSparkError("FBGEMM's float16 product rounds a full block of rows unlike most others on this CPU")
+    return [next(m for m in range(n, FLOAT16_ROWS + 1) if agrees[m]) for n in range(FLOAT16_ROWS + 1)]
+
+
 # A float32 product of fewer rows than this runs another MKL kernel than one of more, which rounds differently
 # (measured on a 2-core AMD EPYC: a row's product over 1-3 rows differs from the same row among 4 or more in the
 # last bits, while 4-512 rows all agree bitwise, on 1 and 2 threads and for every matrix of the model). A
@@ -346,11 +403,11 @@ FEW_ROWS = 16
 def linear(
     x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False, min_rows: int = 1
 ) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a float, packed, column-split, int8 or int4 weight, or a RescoredHead (its float32
-    logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ; min_rows: a float product of fewer rows runs padded
-    with zero rows to this many (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not depend
-    on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round differently
-    from a verify)."""
+    """x @ weight.T (+ bias) for a float, packed, column-split, float16, int8 or int4 weight, or a RescoredHead (its
+    float32 logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ; min_rows: a float product of fewer rows runs
+    padded with zero rows to this many (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not
+    depend on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round
+    differently from a verify)."""
     rows = x.numel() // x.shape[-1]
     # min_rows first: a compiled graph's row count is symbolic. The bias goes inside the padded product.
     if min_rows > 1 and rows < min_rows:
@@ -367,6 +424,8 @@ def linear(
         out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), weight.packed, None, "none", [], "")
     elif isinstance(weight, Float32Weight):
         out = linear(x.reshape(rows, -1).float(), weight.product, min_rows=MIN_ROWS_FLOAT32).to(x.dtype)
+    elif isinstance(weight, Float16Weight):
+        out = weight.product(x.reshape(rows, -1)).to(x.dtype)
     elif isinstance(weight, KSplitWeight):
         n = weight.splits
         parts = linear(x.reshape(rows * n, -1), weight.stacked).view(rows, n, n, -1)

@@ -18,10 +18,12 @@ from transformers.utils import logging as hf_logging
 
 from dspark import models
 from dspark.decoder import (
+    Float16Weight,
     Int8Weight,
     LeanDecoder,
     PackedWeight,
     RescoredHead,
+    float16_available,
     linear,
     packing_available,
     real_positions,
@@ -139,7 +141,8 @@ class Target:
         self.name = name
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
-        self.head_weight = self.lm_head.weight  # or its packed or int8 form
+        self.head_weight = self.lm_head.weight  # or its packed, float16 or int8 form
+        self.head_form = "model"  # "float16" once use_float16_head chose FBGEMM's float16 weights (kept when compiled)
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
         self.quantization_error = 0.0  # the largest relative change quantizing made to a weight (Int4Weight.error)
         self.decoder = LeanDecoder(self.model)
@@ -296,14 +299,47 @@ class Target:
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         decoder = self.decoder
+        if isinstance(self.head_weight, Float16Weight):
+            hidden = hidden.float()  # its float32 sums, not rounded back to the activations' precision
         logits = linear(hidden, self.head_weight, None, decoder.few_rows_transposed, decoder.min_rows).float()
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def use_packed_weights(self, packed: bool) -> Target:
-        """Every matrix the decode step streams, LM head included, as decoder.PackedWeight (or not)."""
+        """Every matrix the decode step streams, LM head included, as decoder.PackedWeight (or not); a float16 head
+        (use_float16_head) stays, and returns to this form when switched off."""
         self.decoder.pack(packed)
-        self.head_weight = PackedWeight(self.lm_head.weight.data) if packed else self.lm_head.weight
+        head = PackedWeight(self.lm_head.weight.data) if packed else self.lm_head.weight
+        if self.head_form == "float16":
+            self.head_in_precision = head
+        else:
+            self.head_weight = head
+        return self
+
+    @property
+    def float16_head_possible(self) -> bool:
+        """Whether the LM head may run as decoder.Float16Weight: a bfloat16 head (bfloat16 and int4 targets) on a CPU
+        with FBGEMM, not compiled. Its weights convert exactly (but for entries below 2^-14); float32 keeps its own."""
+        return (
+            self.device.type == "cpu"
+            and float16_available()
+            and self.lm_head.weight.dtype == torch.bfloat16
+            and self.quantization != "int8"
+            and self.decoder.compiled is None
+        )
+
+    def use_float16_head(self, on: bool) -> Target:
+        """The LM head as decoder.Float16Weight, FBGEMM's float16 weights with float32 sums (float32 logits), or back
+        to the form it had. Where bfloat16 is emulated it reads the head several times faster at a verify's rows
+        (dspark.autotune.choose_head_form measures it); a row's logits still do not depend on the rows beside it."""
+        if on and not isinstance(self.head_weight, Float16Weight):
+            if not self.float16_head_possible:
+                raise DSparkError("a float16 LM head needs a bfloat16 head on a CPU with FBGEMM, not compiled")
+            self.head_in_precision = self.head_weight
+            self.head_weight = Float16Weight(self.lm_head.weight.data)
+        elif not on and isinstance(self.head_weight, Float16Weight):
+            self.head_weight = self.head_in_precision
+        self.head_form = "float16" if on else "model"
         return self
 
     def compile(self) -> Target:
@@ -312,14 +348,17 @@ class Target:
         (a block read by every query, and one that crosses into the next 64 keys): minutes the first time on a
         machine, then about half a minute (the graphs are traced again; inductor's kernels are kept in the dspark
         cache). Plain and speculative decoding of the compiled target agree token for token; its logits differ from
-        the eager target's in the last bits, and its LM head is `use_rescored_head`'s."""
+        the eager target's in the last bits, and its LM head is `use_rescored_head`'s, or the float16 head where the
+        machine's tuning chose it (2-core AVX2-only EPYC, 1 / 8 rows: 2.9 / 5.8 against the rescored head's 3.3 / 11
+        ms)."""
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         # Inductor's default lives in the system's temporary folder; a folder the user chose is kept.
         if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
         self.decoder.compile()
-        self.use_rescored_head()
+        if self.head_form != "float16":  # where the machine chose FBGEMM's head, it beats the rescored one too
+            self.use_rescored_head()
         cache = self.new_cache(1)
         ids = torch.zeros(1, GRANULE, dtype=torch.long, device=self.device)
         self.prefill(cache, ids[:, : GRANULE - 1])

@@ -14,7 +14,7 @@ import importlib
 import torch
 from torch import nn
 
-from dspark.decoder import PackedWeight, attention, linear, rotate
+from dspark.decoder import PRODUCT_FORMS, attention, linear, rotate
 from dspark.errors import DSparkError
 
 
@@ -75,12 +75,12 @@ def check_layer_layout(layer: nn.Module, model_type: str) -> None:
 
 
 class Stacked:
-    """nn.Linear layers that read the same input as one packed product (decoder.PackedWeight of their stacked
-    weights); `sizes` splits the output back."""
+    """nn.Linear layers that read the same input as one product (their stacked weights in one of
+    decoder.PRODUCT_FORMS); `sizes` splits the output back."""
 
-    def __init__(self, *layers: nn.Linear):
+    def __init__(self, *layers: nn.Linear, form: str = "packed"):
         self.sizes = [m.out_features for m in layers]
-        self.weight = PackedWeight(torch.cat([m.weight.data for m in layers]))
+        self.weight = PRODUCT_FORMS[form](torch.cat([m.weight.data for m in layers]))
         biases = [m.bias for m in layers]
         self.bias = torch.cat([b.data for b in biases]) if all(b is not None for b in biases) else None
 
@@ -94,16 +94,16 @@ class LayerProducts:
     ms, the same output bits). The layer keeps its own parameters, which training, checkpoints and export read;
     `usable` is false once any of them changed or while gradients are wanted, and the layer's modules run."""
 
-    def __init__(self, layer: nn.Module):
+    def __init__(self, layer: nn.Module, form: str = "packed"):
         attn, mlp = layer.self_attn, layer.mlp
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.sources = [p for m in linears for p in (m.weight, m.bias) if p is not None]
         self.stamp = self.current_stamp()
-        self.qkv = Stacked(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.kv = Stacked(attn.k_proj, attn.v_proj)
-        self.o = Stacked(attn.o_proj)
-        self.gate_up = Stacked(mlp.gate_proj, mlp.up_proj)
-        self.down = Stacked(mlp.down_proj)
+        self.qkv = Stacked(attn.q_proj, attn.k_proj, attn.v_proj, form=form)
+        self.kv = Stacked(attn.k_proj, attn.v_proj, form=form)
+        self.o = Stacked(attn.o_proj, form=form)
+        self.gate_up = Stacked(mlp.gate_proj, mlp.up_proj, form=form)
+        self.down = Stacked(mlp.down_proj, form=form)
 
     def current_stamp(self) -> list[tuple[int, int]]:
         return [(p.data_ptr(), p._version) for p in self.sources]

@@ -15,7 +15,16 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.decoder import GEMMA_FAMILIES, PackedLinear, PackedWeight, linear, packing_available
+from dspark.decoder import (
+    GEMMA_FAMILIES,
+    PRODUCT_FORMS,
+    Float16Weight,
+    PackedLinear,
+    PackedWeight,
+    float16_available,
+    linear,
+    packing_available,
+)
 from dspark.drafter.backbone import LayerProducts, backbone_layout, check_layer_layout, context_kv, layer_forward
 from dspark.drafter.config import DSparkConfig
 from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
@@ -127,7 +136,7 @@ class DSparkDrafter(nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size) if config.draft_vocab_size else None)
         self._lm_slice = None
-        self._packed_lm: PackedWeight | None = None
+        self._packed_lm: PackedWeight | Float16Weight | None = None
         self._layer_products: list[LayerProducts] | None = None
         self.reset_parameters()
 
@@ -311,25 +320,32 @@ class DSparkDrafter(nn.Module):
         if self._packed_lm is None or torch.is_grad_enabled():
             return (h @ weight.T).float()
         if self._packed_lm.dense is not weight:  # the draft vocabulary or the dtype changed since packing
-            self._packed_lm = PackedWeight(weight)
+            self._packed_lm = type(self._packed_lm)(weight)
         return linear(h, self._packed_lm).float()
 
-    def use_packed_weights(self, packed: bool) -> DSparkDrafter:
-        """For inference: every matrix a proposal multiplies by in oneDNN's packed form, as the target's
-        (`Target.use_packed_weights`), or back: the draft layers' through LayerProducts (the matrices that read one
-        input stacked into one product), the others through decoder.PackedLinear. Parameters and checkpoints are
-        unchanged. Drafts need not be bitwise the same in either form: verification decides what is emitted (1 row,
-        2-core EPYC: propose 4.2 -> 3.4 ms packed)."""
-        packed = packed and packing_available(self.fc.weight)
+    def use_product_form(self, form: str) -> DSparkDrafter:
+        """For inference: every matrix a proposal multiplies by in one of decoder.PRODUCT_FORMS ("packed": oneDNN's
+        packed weights, as the target's; "float16": FBGEMM's, where the machine's tuning found them faster for the
+        target's LM head), or "plain" back: the draft layers' through LayerProducts (the matrices that read one
+        input stacked into one product), the others through decoder.PackedLinear. A form this machine lacks is
+        plain. Parameters and checkpoints are unchanged. Drafts need not be bitwise the same in every form:
+        verification decides what is emitted (1 row, γ = 7: 2-core EPYC with AVX-512-BF16, 4.2 -> 3.4 ms packed;
+        2-core AVX2-only EPYC, where bfloat16 is emulated, 16 -> 8 ms in float16)."""
+        available = {"packed": packing_available(self.fc.weight), "float16": float16_available()}
+        if form not in PRODUCT_FORMS and form != "plain":
+            raise DSparkError(f"unknown product form {form!r}; one of plain, {', '.join(PRODUCT_FORMS)}")
+        form = form if available.get(form) else "plain"
         in_layers = {id(m) for m in self.layers.modules()}
         for module in list(self.modules()):
             for name, child in module.named_children():
-                if packed and type(child) is nn.Linear and id(child) not in in_layers:
-                    setattr(module, name, PackedLinear(child))
-                elif not packed and isinstance(child, PackedLinear):
-                    setattr(module, name, child.plain())
-        self._layer_products = [LayerProducts(layer) for layer in self.layers] if packed else None
-        self._packed_lm = PackedWeight(self.lm_weight(self.fc.weight.dtype)) if packed else None
+                if isinstance(child, PackedLinear):
+                    child = child.plain()
+                    setattr(module, name, child)
+                if form != "plain" and type(child) is nn.Linear and id(child) not in in_layers:
+                    setattr(module, name, PackedLinear(child, form))
+        plain = form == "plain"
+        self._layer_products = None if plain else [LayerProducts(layer, form) for layer in self.layers]
+        self._packed_lm = None if plain else PRODUCT_FORMS[form](self.lm_weight(self.fc.weight.dtype))
         return self
 
     def confidence_logits(self, h, prev_ids) -> torch.Tensor | None:
