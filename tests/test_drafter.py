@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_target
+from conftest import needs_fbgemm, tiny_drafter, tiny_target
 from dspark.drafter import DSparkConfig, load_drafter, new_drafter
 from dspark.drafter.heads import ConfidenceHead, GatedMarkovHead, RNNHead, VanillaMarkovHead
 from dspark.errors import DSparkError
@@ -192,7 +192,7 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
     assert torch.equal(saved.propose(cache, anchor, params, params.generators(1)).probs, proposals[1].probs)
 
 
-@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="x86 only")
+@needs_fbgemm
 def test_a_drafter_proposes_through_float16_products_near_its_own_and_back(monkeypatch):
     """The float16 form (FBGEMM's weights, chosen where the target's LM head found them faster): every product a
     proposal makes goes through it, the proposals stay near the plain drafter's, and "plain" restores its exact

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import decode_plain_and_speculative, tiny_drafter, tiny_target
+from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
 from dspark.target import Target
 
 
@@ -255,7 +255,7 @@ def test_the_prefill_form_is_the_fastest_measured_here_and_kept(monkeypatch, tmp
         again.decoder.use_prefill_form("float16")
 
 
-@pytest.mark.skipif("fbgemm" not in torch.backends.quantized.supported_engines, reason="x86 only")
+@needs_fbgemm
 @pytest.mark.parametrize("faster", [True, False])
 def test_the_lm_head_takes_float16_where_it_is_measured_faster_and_the_drafter_follows(monkeypatch, tmp_path, faster):
     """tune times a step and an 8-token verify with the target's own head and with FBGEMM's float16 head, keeps the

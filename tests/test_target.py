@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from conftest import decode_plain_and_speculative, tiny_drafter, tiny_target
+from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
 from dspark.autotune import invariance_failures
 from dspark.decoder import MIN_ROWS_FLOAT32
 from dspark.decoding.plain import generate_plain
@@ -355,11 +355,6 @@ def test_a_float32_row_is_the_same_alone_in_a_block_and_in_a_ragged_batch_throug
     assert invariance_failures(target, prompt_len=70) == []
     target.decoder.min_rows = 1
     assert invariance_failures(target, prompt_len=70, ragged=False) != []  # the padding is what makes it hold
-
-
-needs_fbgemm = pytest.mark.skipif(
-    "fbgemm" not in torch.backends.quantized.supported_engines, reason="FBGEMM's float16 products are x86-only"
-)
 
 
 @needs_fbgemm

@@ -183,16 +183,13 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     except (OSError, ValueError, KeyError):
         pass  # not measured yet here (or the file is damaged, or from before packing): measure
 
-    def fastest(forms: dict, widths: tuple[int, ...]) -> dict:
-        return time_forms(target, forms, widths, repeats)
-
     def few_rows(form):
         return lambda: setattr(target.decoder, "few_rows_transposed", form)
 
     forms = {"linear": few_rows(False)}
     if not target.decoder.batch_invariant:
         forms["transposed"] = few_rows(True)
-    verify = fastest(forms, (4, 8))
+    verify = time_forms(target, forms, (4, 8), repeats)
     # Only where the products dominate (the real 135M target: 350 ms here; a tiny test model: 5 ms, mostly Python):
     # below that the timings are noise, and a coin-flip choice would make otherwise identical runs differ in
     # their last bits.
@@ -205,7 +202,7 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     }
     if real and packing_available(target.lm_head.weight):
         forms = {"plain": lambda: target.use_packed_weights(False), "packed": lambda: target.use_packed_weights(True)}
-        step, verify = fastest(forms, (1,)), fastest(forms, (8,))
+        step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
         # Packing pays in the verify (many rows): adopted where it is clearly faster there and no slower a step.
         record["packed"] = verify["packed"] < 0.9 * verify["plain"] and step["packed"] < 1.05 * step["plain"]
         record["step_ms"] = {k: round(1000 * v, 2) for k, v in step.items()}
@@ -278,14 +275,16 @@ def choose_prefill_form(target: Target, prompt_len: int = 128, repeats: int = 2)
     return target
 
 
-TIMED_HEAD_WEIGHTS = 1 << 22  # an LM head smaller than this is not timed: it keeps its form (see choose_head_form)
+TIMED_HEAD_WEIGHTS = 1 << 22  # an LM head smaller than this is not timed: it keeps its form
 
 
 def choose_head_form(target: Target, repeats: int = 3) -> Target:
     """The LM head as FBGEMM's float16 weights (Target.use_float16_head) where that is clearly faster on this machine
     in an 8-token verify and no slower in a step: forwards timed in both forms once per machine, precision and
     thread count, then read from the dspark cache. Targets that cannot take it keep their head."""
-    if not target.float16_head_possible:
+    # A head too small to time (a tiny test model's) keeps its form: a coin-flip choice would make otherwise identical
+    # runs differ in their last bits.
+    if not target.float16_head_possible or target.lm_head.weight.numel() < TIMED_HEAD_WEIGHTS:
         return target
     path = machine_cache_file("kernels", target.name, target.precision, "head")
     try:
@@ -294,10 +293,7 @@ def choose_head_form(target: Target, repeats: int = 3) -> Target:
         pass  # not measured yet here (or the file is damaged): measure
     forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
     step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
-    # Only for a head large enough to time (not a tiny test model's): a coin-flip choice would make otherwise
-    # identical runs differ in their last bits.
-    real = target.lm_head.weight.numel() >= TIMED_HEAD_WEIGHTS
-    chosen = real and verify["float16"] < 0.9 * verify["model"] and step["float16"] < 1.05 * step["model"]
+    chosen = verify["float16"] < 0.9 * verify["model"] and step["float16"] < 1.05 * step["model"]
     target.use_float16_head(chosen)
     record = {
         "float16_head": chosen,

@@ -142,7 +142,6 @@ class Target:
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
         self.head_weight = self.lm_head.weight  # or its packed, float16 or int8 form
-        self.head_form = "model"  # "float16" once use_float16_head chose FBGEMM's float16 weights (kept when compiled)
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
         self.quantization_error = 0.0  # the largest relative change quantizing made to a weight (Int4Weight.error)
         self.decoder = LeanDecoder(self.model)
@@ -317,6 +316,12 @@ class Target:
         return self
 
     @property
+    def head_form(self) -> str:
+        """ "float16" while the LM head runs as FBGEMM's float16 weights (use_float16_head; kept when compiled), else
+        "model"."""
+        return "float16" if isinstance(self.head_weight, Float16Weight) else "model"
+
+    @property
     def float16_head_possible(self) -> bool:
         """Whether the LM head may run as decoder.Float16Weight: a bfloat16 head (bfloat16 and int4 targets) on a CPU
         with FBGEMM, not compiled. Its weights convert exactly (but for entries below 2^-14); float32 keeps its own."""
@@ -339,7 +344,6 @@ class Target:
             self.head_weight = Float16Weight(self.lm_head.weight.data)
         elif not on and isinstance(self.head_weight, Float16Weight):
             self.head_weight = self.head_in_precision
-        self.head_form = "float16" if on else "model"
         return self
 
     def compile(self) -> Target:
