@@ -485,10 +485,10 @@ def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
 # ---- the compiled decode step: one graph for every one-row forward ----------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled_tiny(tmp_path_factory):
-    import os
-
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor"))  # not the user's cache
-    return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
+    # Not the user's inductor cache, and only for these tests: the real target's compile below uses the dspark cache.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
 
 
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
@@ -573,6 +573,7 @@ def test_the_compiled_real_target_decodes_losslessly_in_int4():
     from dspark.drafter import load_drafter
     from dspark.target import Target
 
+    torch._dynamo.reset()  # the tiny targets' graphs above would make dynamo compile this one ~2.5x slower
     target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").compile()
     assert invariance_failures(target, ragged=False) == []
     engine = SpeculativeEngine(target, load_drafter(shipped_drafter(target.name), target), FixedLength())
