@@ -573,7 +573,6 @@ def test_the_compiled_real_target_decodes_losslessly_in_int4():
     from dspark.drafter import load_drafter
     from dspark.target import Target
 
-    torch._dynamo.reset()  # the tiny targets' graphs above would make dynamo compile this one ~2.5x slower
     target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").compile()
     assert invariance_failures(target, ragged=False) == []
     engine = SpeculativeEngine(target, load_drafter(shipped_drafter(target.name), target), FixedLength())
