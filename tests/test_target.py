@@ -485,10 +485,11 @@ def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
 # ---- the compiled decode step: one graph for every one-row forward ----------------------------------------------------
 @pytest.fixture(scope="module")
 def compiled_tiny(tmp_path_factory):
-    # Not the user's inductor cache, and only for these tests: the real target's compile below uses the dspark cache.
+    # Compiled (both graphs, in compile()) into a folder of its own, not the user's inductor cache; the setting ends
+    # there, so later compiles (the real target's below) use the dspark cache as a user's would.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        yield tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
+        return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
 
 
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
