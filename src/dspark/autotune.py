@@ -169,12 +169,18 @@ def time_forms(target: Target, forms: dict, widths: tuple[int, ...], repeats: in
     return best
 
 
-def clearly_faster(step: dict, verify: dict, form: str, than: str) -> bool:
-    """Whether `form` takes a 1-token step plus an 8-token verify (seconds per form) at least 5 % faster than `than`:
-    a new form pays in the verify, and its step may be a near tie. The sum, not each width alone: a rule that also
-    asked the step to be no slower flipped between runs on a busy machine where the float16 head's step was level
-    (2-core AVX2-only EPYC: steps 26.5-28.7 ms in both forms, verifies 46-49 against 64-67)."""
-    return step[form] + verify[form] < 0.95 * (step[than] + verify[than])
+def clearly_faster(target: Target, forms: dict, form: str, than: str, repeats: int) -> tuple[bool, dict]:
+    """Whether `form` takes a 1-token step plus an 8-token verify at least 5 % faster than `than` (both timed in
+    `forms`, as time_forms takes them), and the timings in ms for the machine's record. A new form pays in the
+    verify, and its step may be a near tie. The sum, not each width alone: a rule that also asked the step to be no
+    slower flipped between runs on a busy machine where the float16 head's step was level (2-core AVX2-only EPYC:
+    steps 26.5-28.7 ms in both forms, verifies 46-49 against 64-67)."""
+    step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
+    timings = {
+        "step_ms": {k: round(1000 * v, 2) for k, v in step.items()},
+        "verify_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()},
+    }
+    return step[form] + verify[form] < 0.95 * (step[than] + verify[than]), timings
 
 
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:
@@ -210,10 +216,8 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     }
     if real and packing_available(target.lm_head.weight):
         forms = {"plain": lambda: target.use_packed_weights(False), "packed": lambda: target.use_packed_weights(True)}
-        step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
-        record["packed"] = clearly_faster(step, verify, "packed", "plain")
-        record["step_ms"] = {k: round(1000 * v, 2) for k, v in step.items()}
-        record["verify_8_ms"] = {k: round(1000 * v, 2) for k, v in verify.items()}
+        record["packed"], timings = clearly_faster(target, forms, "packed", "plain", repeats)
+        record.update(timings)
     target.use_packed_weights(record["packed"])
     atomic_write_json(path, record)
     return target
@@ -299,15 +303,9 @@ def choose_head_form(target: Target, repeats: int = 3) -> Target:
     except (OSError, ValueError, KeyError):
         pass  # not measured yet here (or the file is damaged): measure
     forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
-    step, verify = time_forms(target, forms, (1,), repeats), time_forms(target, forms, (8,), repeats)
-    chosen = clearly_faster(step, verify, "float16", "model")
+    chosen, timings = clearly_faster(target, forms, "float16", "model", repeats)
     target.use_float16_head(chosen)
-    record = {
-        "float16_head": chosen,
-        "step_ms": {k: round(1000 * v, 2) for k, v in step.items()},
-        "verify_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()},
-    }
-    atomic_write_json(path, record)
+    atomic_write_json(path, {"float16_head": chosen, **timings})
     return target
 
 
