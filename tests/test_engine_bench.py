@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
+from dspark.decoder import Float32Weight
 from dspark.target import Target
 
 
@@ -223,7 +224,13 @@ def test_a_quantized_target_reads_prompts_in_another_form_alike_alone_and_in_a_b
         out = target.prefill(caches[name], ids, lengths)
         assert torch.equal(out.logits[1:], target.prefill(target.new_cache(1), ids[1:, :13]).logits)
     keys = caches[form].k.float(), caches["bfloat16"].k.float()
-    assert not torch.equal(*keys) and torch.allclose(*keys, atol=0.15 if form == "quantized" else 0.02)
+    assert torch.allclose(*keys, atol=0.15 if form == "quantized" else 0.02)
+    # The form is in effect: float32 copies are read (where bfloat16 products sum in float32, as on AVX-512-BF16, the
+    # cache may come out bitwise equal to the bfloat16 form's), or the quantized matrices, whose cache must differ.
+    if form == "float32":
+        assert all(isinstance(w, Float32Weight) for layer in target.decoder.prefill_weights for w in layer.values())
+    else:
+        assert target.decoder.prefill_weights is None and not torch.equal(*keys)
     expected, results = decode_plain_and_speculative(target)
     assert [r.token_ids for r in results] == expected
 

@@ -388,7 +388,7 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
     """A bfloat16 or int4 target whose LM head runs through FBGEMM's float16 weights: float32 logits near the
     bfloat16 head's, batch-invariant, and plain decoding equals speculative decoding; switching back restores the
     head it had."""
-    from dspark.decoder import Float16Weight, dense
+    from dspark.decoder import Float16Weight, PackedWeight, dense
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     if quantize:
@@ -404,9 +404,11 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
     assert invariance_failures(target, prompt_len=70) == []
     expected, results = decode_plain_and_speculative(target)
     assert [r.token_ids for r in results] == expected
-    assert isinstance(target.use_packed_weights(False).head_weight, Float16Weight)  # other forms keep it
     back = target.use_float16_head(False).head_weight
     assert isinstance(back, type(before)) and torch.equal(dense(back), dense(before)) and target.head_form == "model"
+    # Other forms keep the float16 head, and switching back gives the form chosen meanwhile (plain, not packed).
+    assert isinstance(target.use_float16_head(True).use_packed_weights(False).head_weight, Float16Weight)
+    assert not isinstance(target.use_float16_head(False).head_weight, PackedWeight)
     with pytest.raises(DSparkError, match="float16 LM head"):
         tiny_target(hidden=64, dtype=torch.float32).use_float16_head(True)
 
