@@ -23,7 +23,7 @@ def test_regenerate_refuses_the_prompts_file_as_out(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"id": "a", "prompt": "hello"}\n{"id": "b", "prompt": "world"}\n')
     before = prompts.read_bytes()
-    refused(capsys, "is the prompts file", "regenerate", "--prompts", prompts, "--out", prompts)
+    refused(capsys, "an input of this run", "regenerate", "--prompts", prompts, "--out", prompts)
     # through another name too: its first line is not a regenerated record
     link = tmp_path / "same.jsonl"
     shutil.copy(prompts, link)
@@ -40,6 +40,105 @@ def test_regenerate_keeps_every_record_around_a_corrupt_line(tmp_path, capsys):
     prompts.write_text('{"id": "a", "prompt": "hi"}\n')
     refused(capsys, "regen.jsonl:2: not valid JSON", "regenerate", "--prompts", prompts, "--out", out)
     assert out.read_bytes() == before
+
+
+def test_regenerate_never_takes_a_users_file_for_a_torn_record(tmp_path, capsys):
+    """A one-line file without a final newline is the user's, not a regeneration killed mid-write."""
+    prompts = tmp_path / "six.txt"
+    prompts.write_text("hello\nworld\n")
+    for name, text in [("single.json", '{"important": "data"}'), ("notes.txt", "one line of notes")]:
+        victim = tmp_path / name
+        victim.write_text(text)
+        code, err = run_cli(capsys, "regenerate", "--prompts", prompts, "--out", victim, "--limit", "1")
+        assert code == 2 and "Traceback" not in err and victim.read_text() == text, err
+
+
+def test_regenerate_refuses_its_prompts_through_a_hard_link(tmp_path, capsys):
+    prompts = tmp_path / "one.txt"
+    prompts.write_text("hello\n")
+    link = tmp_path / "one_link.jsonl"
+    link.hardlink_to(prompts)
+    refused(capsys, "an input of this run", "regenerate", "--prompts", prompts, "--out", link)
+    soft = tmp_path / "soft.jsonl"
+    soft.symlink_to(prompts)
+    refused(capsys, "is a symbolic link", "regenerate", "--prompts", prompts, "--out", soft)
+    assert prompts.read_text() == "hello\n"
+
+
+def test_a_resume_in_another_precision_is_refused(tmp_path, capsys):
+    out = tmp_path / "regen.jsonl"
+    record = {"id": "a", "messages": [], "assistant_token_ids": [[1]], "backend": {"name": "dspark", "dtype": "int4"}}
+    out.write_text(json.dumps(record) + "\n")
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    before = out.read_bytes()
+    refused(capsys, "answered in int4", "regenerate", "--prompts", prompts, "--out", out, "--dtype", "float32")
+    assert out.read_bytes() == before
+
+
+def test_prompts_never_overwrite_an_evaluation_set_an_excluded_file_or_a_foreign_report(tmp_path, capsys):
+    evals = tmp_path / "ev"
+    evals.mkdir()
+    (evals / "gsm8k.jsonl").write_text('{"id": "g", "turns": ["What is 2 + 2?"]}\n')
+    before = (evals / "gsm8k.jsonl").read_bytes()
+    args = ("prompts", "--eval-dir", evals, "--count", 5, "--mix", "math=1")
+    refused(capsys, "an input of this run", *args, "--out", evals / "gsm8k.jsonl")
+    excluded = tmp_path / "old.jsonl"
+    excluded.write_text('{"id": "x", "messages": [{"role": "user", "content": "hi"}], "assistant_token_ids": []}\n')
+    kept = excluded.read_bytes()
+    refused(capsys, "an input of this run", *args, "--out", excluded, "--exclude", excluded)
+    notes = tmp_path / "notes.jsonl"
+    notes.write_text('{"mine": 1}\n')
+    refused(capsys, "did not write", *args, "--out", notes)
+    (tmp_path / "q.jsonl.report.json").write_text('{"mine": 1}')
+    refused(capsys, "did not write", *args, "--out", tmp_path / "q.jsonl")
+    assert (evals / "gsm8k.jsonl").read_bytes() == before and excluded.read_bytes() == kept
+    assert notes.read_text() == '{"mine": 1}\n' and (tmp_path / "q.jsonl.report.json").read_text() == '{"mine": 1}'
+    # its own earlier output is replaced
+    out = tmp_path / "p.jsonl"
+    assert run_cli(capsys, *args, "--out", out)[0] == 0
+    assert run_cli(capsys, *args, "--out", out, "--seed", 1)[0] == 0
+
+
+def test_outputs_never_land_on_inputs_or_in_the_package(tmp_path, capsys):
+    import dspark
+    from dspark.fsutil import check_output_dir, check_output_file
+
+    shipped = Path(dspark.__file__).parent / "data" / "drafters" / "smollm2-135m-instruct"
+    with pytest.raises(DSparkError, match="installed dspark package"):
+        check_output_file(shipped / "calibration.json", "--out")
+    with pytest.raises(DSparkError, match="installed dspark package"):
+        check_output_dir(shipped, "--out")
+    data = tmp_path / "six_c.txt"
+    data.write_text("a prompt\n")
+    refused(capsys, "an input of this run", "calibrate", "--drafter", shipped, "--data", data, "--out", data)
+    refused(
+        capsys, "installed dspark package", "calibrate", "--drafter", shipped, "--out", shipped / "calibration.json"
+    )
+    mine = tmp_path / "calib.json"
+    mine.write_text('{"other": 1}')
+    refused(capsys, "did not write", "calibrate", "--drafter", shipped, "--out", mine)
+    assert data.read_text() == "a prompt\n" and mine.read_text() == '{"other": 1}'
+    regen = tmp_path / "regen.jsonl"
+    regen.write_text("{}\n")
+    refused(capsys, "installed dspark package", "train", "--data", regen, "--out", shipped)
+
+
+def test_overwrite_never_follows_or_deletes_a_users_link(saved_drafter, tmp_path, capsys):
+    folder, ckpt, _ = saved_drafter
+    out = tmp_path / "out"
+    assert run_cli(capsys, "export", ckpt, out, "--model", folder)[0] == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("keep")
+    (out / "link").symlink_to(elsewhere)
+    refused(capsys, "did not write there (link)", "export", ckpt, out, "--model", folder, "--overwrite")
+    assert (out / "link").is_symlink() and (elsewhere / "keep.txt").read_text() == "keep"
+    (out / "link").unlink()
+    alias = tmp_path / "alias"
+    alias.symlink_to(out)
+    refused(capsys, "symbolic link", "export", ckpt, alias, "--model", folder, "--overwrite")
+    assert alias.is_symlink() and not list(tmp_path.glob(".alias*"))
 
 
 def test_duplicate_prompt_ids_are_refused_before_any_answer(tmp_path, capsys):
@@ -559,3 +658,84 @@ def test_prompts_that_are_not_utf8_are_refused_in_one_line(capsys, tmp_path):
     refused(capsys, "a list of positive numbers", "generate", "Hi", *drafter, "--calibration", junk)
     refused(capsys, "is a folder", "generate", "Hi", *drafter, "--cost-table", tmp_path)
     refused(capsys, "is a folder", "train", "--data", tmp_path, "--out", tmp_path / "run", "--max-steps", "1")
+
+
+# ---- the tuning cache is a convenience, never a point of failure ----------------------------------------------------
+DAMAGED = ["{trunc", "garbage", "[1, 2]", "", '{"dtype": "float16", "reason": "x", "step_ms": {}}', '{"dtype": "int4"}']
+
+
+@pytest.mark.parametrize("content", [*DAMAGED, None])
+def test_a_damaged_precision_record_is_measured_again_after_one_warning(monkeypatch, tmp_path, capsys, content):
+    from dspark import autotune
+    from dspark.models import machine_cache_file
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    path = machine_cache_file("precision", "m")
+    path.parent.mkdir(parents=True)
+    path.mkdir() if content is None else path.write_text(content)  # None: a folder where the record belongs
+    measured = []
+    monkeypatch.setattr(
+        autotune, "measure_precision", lambda load: measured.append(1) or autotune.PrecisionChoice("int4", "timed", {})
+    )
+    assert autotune.choose_precision("m", None).dtype == "int4" and measured == [1]
+    err = capsys.readouterr().err
+    assert err.count("ignoring the damaged tuning record") == 1 and str(path) in err and "Traceback" not in err
+
+
+def test_damaged_kernel_and_cost_records_are_measured_again(monkeypatch, tmp_path, capsys):
+    from dspark import autotune
+    from dspark.models import machine_cache_file
+    from dspark.scheduling.profile import CostTable
+
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target = tiny_target()
+    kernels = machine_cache_file("kernels", target.name, target.precision)
+    kernels.parent.mkdir(parents=True)
+    kernels.write_text('{"few_rows_transposed": [1], "packed": null}')
+    autotune.choose_product_forms(target, repeats=1)
+    assert json.loads(kernels.read_text())["packed"] is False
+    monkeypatch.setattr(autotune, "profile_target", lambda *a, **k: CostTable([1, 2], [3.0, 4.0]))
+    for bad in ('{"token_counts": [1], "step_time_ms": [NaN]}', '{"token_counts": ["1"], "step_time_ms": [-2]}'):
+        for path in (tmp_path / "costs").glob("*"):
+            path.write_text(bad)
+        assert autotune.cached_cost_table(target).step_time_ms == [3.0, 4.0]
+    assert "ignoring the damaged tuning record" in capsys.readouterr().err
+
+
+def test_a_cache_that_cannot_be_written_keeps_the_command_working(monkeypatch, tmp_path, capsys):
+    from dspark import autotune
+
+    cache = tmp_path / "cache"
+    cache.write_text("a file, not a folder")
+    monkeypatch.setenv("DSPARK_CACHE", str(cache))
+    measured = []
+    monkeypatch.setattr(
+        autotune, "measure_precision", lambda load: measured.append(1) or autotune.PrecisionChoice("int4", "timed", {})
+    )
+    assert autotune.choose_precision("m", None).dtype == "int4"
+    assert autotune.choose_precision("m", None).dtype == "int4" and measured == [1]  # kept in memory for the run
+    err = capsys.readouterr().err
+    assert err.count("cannot write the dspark cache") == 1 and "DSPARK_CACHE" in err
+    from dspark.models import provision
+
+    with pytest.raises(DSparkError, match="set DSPARK_CACHE to a writable folder"):
+        provision("smollm2-135m-instruct")
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"token_counts": [1, 2], "step_time_ms": [float("nan"), 3]}, "finite, positive"),
+        ({"token_counts": [1, 2], "step_time_ms": [-1, 3]}, "finite, positive"),
+        ({"token_counts": ["a"], "step_time_ms": [1]}, "positive whole numbers"),
+        ({"token_counts": 1, "step_time_ms": 1}, "non-empty lists"),
+        ({"token_counts": [1], "step_time_ms": [1], "grid": [{"batch_size": "x"}]}, "grid must be a list"),
+    ],
+)
+def test_a_bad_cost_table_is_refused_before_the_model_loads(tmp_path, capsys, table, message):
+    import dspark
+
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps(table))
+    drafter = Path(dspark.__file__).parent / "data" / "drafters" / "smollm2-135m-instruct"
+    refused(capsys, message, "generate", "hi", "--drafter", drafter, "--cost-table", path)

@@ -16,6 +16,7 @@ invariance check here.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from dspark.scheduling.profile import CostTable, profile_target
 from dspark.target import Target, load_precision
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+AUTO_PRECISIONS = ("float32", "bfloat16", "int4")  # what `--dtype auto` chooses among
 NOT_INVARIANT = (
     "no precision is batch-invariant on this CPU, so float32 runs, and speculative output may differ from plain "
     "output where two tokens nearly tie"
@@ -41,6 +43,48 @@ class PrecisionChoice:
     dtype: str
     reason: str
     step_ms: dict  # {"float32": {"1": ms, "8": ms}, ...} where measured
+
+
+_IN_MEMORY: dict[Path, dict] = {}  # records measured in a run whose cache could not be written
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        print(f"dspark: {message}", file=sys.stderr)
+
+
+def tuning_record(path: Path, valid, measure) -> dict:
+    """The machine's record at `path` in the dspark cache: read where `valid(record)` accepts it, else measured now
+    (`measure()` returns it) and kept. The cache is a convenience, never a point of failure: a damaged record is
+    measured again after one warning naming the file, and where the cache cannot be written the record is kept in
+    memory for this run, after one line on DSPARK_CACHE."""
+    if path in _IN_MEMORY:
+        return _IN_MEMORY[path]
+    if path.exists() or path.is_symlink():
+        try:
+            record = json.loads(path.read_text(encoding="utf-8"))
+            if isinstance(record, dict) and valid(record):
+                return record
+            problem = "not a record of this kind"
+        except (OSError, ValueError) as e:
+            problem = getattr(e, "strerror", None) or type(e).__name__
+        _warn_once(f"ignoring the damaged tuning record {path} ({problem}); measuring again")
+    record = measure()
+    try:
+        atomic_write_json(path, record)
+    except OSError as e:
+        _IN_MEMORY[path] = record
+        _warn_once(
+            f"cannot write the dspark cache ({path.parent}: {e.strerror}); measurements are kept for this run only. "
+            "Set DSPARK_CACHE to a writable folder to keep them"
+        )
+    return record
+
+
+def _flag(record: dict, key: str) -> bool:
+    return isinstance(record.get(key), bool)
 
 
 def cpu_name() -> str:
@@ -81,10 +125,22 @@ def choose_precision(model: str, load) -> PrecisionChoice:
     than its flags (bfloat16 is emulated without AMX or AVX-512-BF16, yet int4's bfloat16 kernel or a slow float32
     BLAS can still win). int8, and int4 that would round the weights, change the model; they are run only when asked
     for (`dspark bench quality` measures how far each precision stays from float32)."""
-    path = machine_cache_file("precision", model)
-    if path.exists():
-        return PrecisionChoice(**json.loads(path.read_text()))
-    targets = {precision: load(precision) for precision in ("float32", "bfloat16", "int4")}
+
+    def valid(record: dict) -> bool:
+        return (
+            record.get("dtype") in AUTO_PRECISIONS
+            and isinstance(record.get("reason"), str)
+            and isinstance(record.get("step_ms"), dict)
+            and set(record) == {"dtype", "reason", "step_ms"}
+        )
+
+    record = tuning_record(machine_cache_file("precision", model), valid, lambda: asdict(measure_precision(load)))
+    return PrecisionChoice(**record)
+
+
+def measure_precision(load) -> PrecisionChoice:
+    """choose_precision's measurement: every precision that keeps the weights timed, fastest invariant one chosen."""
+    targets = {precision: load(precision) for precision in AUTO_PRECISIONS}
     rounded = [precision for precision, target in targets.items() if not target.keeps_weights]
     times = {p: {"1": float("inf"), "8": float("inf")} for p in targets if p not in rounded}
     for _ in range(3):  # interleaved, the best of each kept: load from elsewhere slows all alike (the choice is cached)
@@ -109,9 +165,7 @@ def choose_precision(model: str, load) -> PrecisionChoice:
         reason += f" ({', '.join(varying)} left out: not batch-invariant on this CPU)"
     if dtype in varying:
         reason += f"; {NOT_INVARIANT}"
-    choice = PrecisionChoice(dtype, reason, times)
-    atomic_write_json(path, asdict(choice))
-    return choice
+    return PrecisionChoice(dtype, reason, times)
 
 
 @torch.no_grad()
@@ -188,14 +242,19 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, where oneDNN runs the precision, packed weights or not
     (decoder.PackedWeight). Real forwards of 4 and 8 new tokens (and of 1, for packing) are timed in each form
     once per machine, precision and thread count (a few seconds), then read from the dspark cache."""
-    path = machine_cache_file("kernels", target.name, str(target.dtype).removeprefix("torch."))
-    try:
-        saved = json.loads(path.read_text())
-        # the transposed form is not batch-invariant: bfloat16 never takes it (records from before may say so)
-        target.decoder.few_rows_transposed = bool(saved["few_rows_transposed"]) and not target.decoder.batch_invariant
-        return target.use_packed_weights(bool(saved["packed"]))
-    except (OSError, ValueError, KeyError):
-        pass  # not measured yet here (or the file is damaged, or from before packing): measure
+    path = machine_cache_file("kernels", target.name, target.precision)
+    record = tuning_record(
+        path,
+        lambda r: _flag(r, "few_rows_transposed") and _flag(r, "packed"),
+        lambda: measure_product_forms(target, repeats),
+    )
+    # the transposed form is not batch-invariant: a batch-invariant decoder never takes it
+    target.decoder.few_rows_transposed = record["few_rows_transposed"] and not target.decoder.batch_invariant
+    return target.use_packed_weights(record["packed"])
+
+
+def measure_product_forms(target: Target, repeats: int) -> dict:
+    """choose_product_forms' measurement: the record of the forms timed on this machine."""
 
     def few_rows(form):
         return lambda: setattr(target.decoder, "few_rows_transposed", form)
@@ -218,9 +277,7 @@ def choose_product_forms(target: Target, repeats: int = 3) -> Target:
         forms = {"plain": lambda: target.use_packed_weights(False), "packed": lambda: target.use_packed_weights(True)}
         record["packed"], timings = clearly_faster(target, forms, "packed", "plain", repeats)
         record.update(timings)
-    target.use_packed_weights(record["packed"])
-    atomic_write_json(path, record)
-    return target
+    return record
 
 
 def cached_cost_table(
@@ -240,11 +297,19 @@ def cached_cost_table(
     rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
     drafting = [] if drafter is None else ["draft" + drafter_shape_key(drafter)]
     path = machine_cache_file("costs", target.name, target.precision, form, *rows, *drafting)
-    if path.exists():
-        return CostTable.load(path)
-    table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes, drafter=drafter)
-    table.save(path)
-    return table
+
+    def valid(record: dict) -> bool:
+        try:
+            CostTable.from_record(record, path)
+        except DSparkError:
+            return False
+        return True
+
+    def measure() -> dict:
+        table = profile_target(target, token_counts, repeats=repeats, batch_sizes=batch_sizes, drafter=drafter)
+        return table.record()
+
+    return CostTable.from_record(tuning_record(path, valid, measure), path)
 
 
 def drafter_shape_key(drafter) -> str:
@@ -264,11 +329,18 @@ def choose_prefill_form(target: Target, prompt_len: int = 128, repeats: int = 2)
     once per machine, precision and thread count, then read from the dspark cache."""
     decoder = target.decoder
     path = machine_cache_file("kernels", target.name, target.precision, "prefill")
-    try:
-        decoder.use_prefill_form(json.loads(path.read_text())["prefill_form"])
-        return target
-    except (OSError, ValueError, KeyError, DSparkError):
-        pass  # not measured yet here (or the file is damaged): measure
+    record = tuning_record(
+        path,
+        lambda r: r.get("prefill_form") in PREFILL_FORMS,
+        lambda: measure_prefill_form(target, prompt_len, repeats),
+    )
+    decoder.use_prefill_form(record["prefill_form"])
+    return target
+
+
+def measure_prefill_form(target: Target, prompt_len: int, repeats: int) -> dict:
+    """choose_prefill_form's measurement: a prompt timed in each form, interleaved."""
+    decoder = target.decoder
     ids = torch.randint(0, min(target.vocab_size, 5000), (1, prompt_len), generator=torch.Generator().manual_seed(0))
     best = {form: float("inf") for form in PREFILL_FORMS}
     for _ in range(repeats):
@@ -281,9 +353,7 @@ def choose_prefill_form(target: Target, prompt_len: int = 128, repeats: int = 2)
     # coin-flip choice would make otherwise identical runs differ in their last bits.
     fastest = min(best, key=best.get)
     form = fastest if best["bfloat16"] > 0.05 and best[fastest] < 0.85 * best["bfloat16"] else "bfloat16"
-    decoder.use_prefill_form(form)
-    atomic_write_json(path, {"prefill_form": form, "prompt_ms": {k: round(1000 * v, 1) for k, v in best.items()}})
-    return target
+    return {"prefill_form": form, "prompt_ms": {k: round(1000 * v, 1) for k, v in best.items()}}
 
 
 TIMED_HEAD_WEIGHTS = 1 << 22  # an LM head smaller than this is not timed: it keeps its form
@@ -298,15 +368,13 @@ def choose_head_form(target: Target, repeats: int = 3) -> Target:
     if not target.float16_head_possible or target.lm_head.weight.numel() < TIMED_HEAD_WEIGHTS:
         return target
     path = machine_cache_file("kernels", target.name, target.precision, "head")
-    try:
-        return target.use_float16_head(bool(json.loads(path.read_text())["float16_head"]))
-    except (OSError, ValueError, KeyError):
-        pass  # not measured yet here (or the file is damaged): measure
-    forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
-    chosen, timings = clearly_faster(target, forms, "float16", "model", repeats)
-    target.use_float16_head(chosen)
-    atomic_write_json(path, {"float16_head": chosen, **timings})
-    return target
+
+    def measure() -> dict:
+        forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
+        chosen, timings = clearly_faster(target, forms, "float16", "model", repeats)
+        return {"float16_head": chosen, **timings}
+
+    return target.use_float16_head(tuning_record(path, lambda r: _flag(r, "float16_head"), measure)["float16_head"])
 
 
 def tune(target: Target) -> Target:

@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,6 +109,8 @@ def check_replaceable(out: str | Path, overwrite: bool, source: str | Path | Non
     """An output folder that is new, empty, or (with `overwrite`) an earlier output of ours, holding only the files
     its manifest lists; never a file, the input itself, a folder containing the input, or a folder inside it."""
     out = Path(out)
+    if out.is_symlink():
+        raise DSparkError(f"{out} is a symbolic link; --overwrite never replaces or follows a link. Give the real path")
     if out.exists() and not out.is_dir():
         raise DSparkError(f"{out} is a file; this command writes a folder. Choose another output path")
     if source is not None:
@@ -139,8 +142,10 @@ def _files_not_ours(folder: Path) -> list[str]:
         listed = set(json.loads((folder / OUTPUT_MANIFEST).read_text(encoding="utf-8"))["files"])
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
-    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir())
-    return [name for name in present if name != OUTPUT_MANIFEST and name not in listed]
+    # A link is never ours (we write none): replacing the folder would delete the user's link.
+    links = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_symlink())
+    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() and not p.is_symlink())
+    return links + [name for name in present if name != OUTPUT_MANIFEST and name not in listed]
 
 
 @contextmanager
@@ -238,20 +243,78 @@ def read_jsonl(path: str | Path) -> list[dict]:
     return records
 
 
-def check_output_file(path: str | Path, what: str = "output file") -> Path:
-    """Fail before any compute if `path` cannot be written as a file."""
+def check_output_file(
+    path: str | Path,
+    what: str = "output file",
+    inputs: Iterable[str | Path] = (),
+    ours: Callable[[Path], bool] | None = None,
+) -> Path:
+    """Fail before any compute unless `path` may be written as a file: the one rule for every output (also
+    check_output_dir and check_replaceable). An output is never a link (replacing it would delete the user's link,
+    writing through it would change its target), never one of the run's `inputs` (compared by the file itself, so hard
+    and symbolic links count; an input folder covers every file in it), never a file of the installed dspark package
+    (the shipped drafter, the evaluation sets), and where it exists, `ours(path)` must recognise it as an earlier
+    output of the same command."""
     path = Path(path)
     if path.is_dir():
         raise DSparkError(f"{what} {path} is a folder; give a file path")
+    _check_not_input_or_package(path, what, inputs)
+    if path.exists() and ours is not None and not ours(path):
+        raise DSparkError(
+            f"{what} {path} already holds a file this command did not write; give a new path (dspark replaces only "
+            "its own earlier output)"
+        )
     _check_parent_writable(path, what)
     return path
 
 
-def check_output_dir(path: str | Path, what: str = "output folder") -> Path:
-    """Fail before any compute if `path` cannot be created or written as a folder."""
+def _check_not_input_or_package(path: Path, what: str, inputs: Iterable[str | Path]) -> None:
+    if path.is_symlink():
+        raise DSparkError(
+            f"{what} {path} is a symbolic link; dspark neither writes through a link nor replaces one. Give the real "
+            "path, or a new one"
+        )
+    resolved = path.resolve()
+    for source in map(Path, inputs):
+        if not source.exists():
+            continue
+        if source.is_dir() and resolved.is_relative_to(source.resolve()):
+            raise DSparkError(f"{what} {path} is inside {source}, an input of this run; write somewhere else")
+        if path.exists() and os.path.samefile(path, source):
+            raise DSparkError(
+                f"{what} {path} is {source} (an input of this run, or a link to it); write somewhere else"
+            )
+    package = Path(__file__).resolve().parent
+    if resolved.is_relative_to(package):
+        raise DSparkError(f"{what} {path} is inside the installed dspark package ({package}); write somewhere else")
+
+
+def is_matplotlib_png(path: Path) -> bool:
+    """An earlier plot of ours: a PNG that matplotlib wrote (it names itself in the file's first chunks)."""
+    try:
+        with path.open("rb") as f:
+            head = f.read(512)
+    except OSError:
+        return False
+    return head.startswith(b"\x89PNG") and b"matplotlib" in head.lower()
+
+
+def is_json_with(path: Path, *keys: str) -> bool:
+    """An earlier JSON output of ours: an object holding these keys."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and all(k in data for k in keys)
+
+
+def check_output_dir(path: str | Path, what: str = "output folder", inputs: Iterable[str | Path] = ()) -> Path:
+    """Fail before any compute if `path` cannot be created or written as a folder, or breaks check_output_file's
+    rule (a link, an input of the run, the installed package)."""
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise DSparkError(f"{what} {path} is a file; give a folder path")
+    _check_not_input_or_package(path, what, inputs)
     if path.is_dir():
         if not os.access(path, os.W_OK | os.X_OK):
             raise DSparkError(f"{what} {path} is not writable; choose a folder you can write to")

@@ -125,11 +125,17 @@ def provision(name: str) -> Path:
     if is_provisioned(name):
         return final
     source = _package_folder(spec)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with (cache_dir() / f".provision-{name}.lock").open("w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not is_provisioned(name):
-            _convert(spec, source, final)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with (cache_dir() / f".provision-{name}.lock").open("w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not is_provisioned(name):
+                _convert(spec, source, final)
+    except OSError as e:
+        raise DSparkError(
+            f"cannot convert {name} into the dspark cache {cache_dir()} ({e.strerror}); set DSPARK_CACHE to a "
+            "writable folder"
+        ) from e
     return final
 
 

@@ -129,6 +129,8 @@ def prompt_mix(text: str) -> dict[str, float]:
             raise argparse.ArgumentTypeError(f"write each share as SOURCE=NUMBER, got {part!r}") from None
         if not math.isfinite(mix[name.strip()]) or mix[name.strip()] < 0:
             raise argparse.ArgumentTypeError(f"a share must be a number >= 0, got {part!r}")
+    if not any(mix.values()):
+        raise argparse.ArgumentTypeError(f"at least one share must be above 0, got {text!r}")
     return mix
 
 
@@ -261,7 +263,13 @@ def check_policy_args(args) -> None:
     if args.calibration:
         from dspark.scheduling.calibration import read_temperatures
 
-        read_temperatures(args.calibration)
+        temps = read_temperatures(args.calibration)
+        block = drafter_block_size(args.drafter)
+        if block is not None and len(temps) != block:
+            raise DSparkError(
+                f"--calibration {args.calibration} has {len(temps)} temperatures; the drafter drafts {block} tokens a "
+                "block and needs one per position. Calibrate this drafter with `dspark calibrate`"
+            )
     if args.cost_table:
         from dspark.scheduling.profile import CostTable
 
@@ -284,6 +292,30 @@ def check_drafter_arg(path) -> None:
             raise DSparkError(f"--drafter {path}: no data file there (ngram:DATA wants regenerated JSONL)")
     elif path:
         read_checkpoint_meta(path)
+
+
+def drafter_block_size(path) -> int | None:
+    """The drafts per block of a drafter checkpoint (None for other proposers, which are not calibrated)."""
+    from dspark.drafter import NGRAM_PREFIX, read_checkpoint_meta
+
+    if not path or str(path).startswith(NGRAM_PREFIX):
+        return None
+    block = read_checkpoint_meta(path)["drafter"].get("block_size")
+    return block if isinstance(block, int) else None
+
+
+def port_number(text: str) -> int:
+    port = _int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, got {port}")
+    return port
+
+
+def nonnegative_float(text: str) -> float:
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
 
 
 def parse_labelled(items: list[str], flag: str, example: str) -> dict[str, str]:

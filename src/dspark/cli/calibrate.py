@@ -6,7 +6,7 @@ import json
 import sys
 
 from dspark.cli.args import add_target_args, check_drafter_arg, load_target, positive_int
-from dspark.fsutil import check_output_file
+from dspark.fsutil import check_output_file, is_json_with, is_matplotlib_png
 
 
 def register(sub) -> None:
@@ -30,9 +30,10 @@ def run(args) -> int:
     from dspark.scheduling.calibration import collect_rounds, fit_sts, reliability_plot, report
 
     check_drafter_arg(args.drafter)
-    check_output_file(args.out, "--out")
+    inputs = [args.data] if args.data else []
+    check_output_file(args.out, "--out", inputs, ours=lambda p: is_json_with(p, "sts_temperatures"))
     if args.plot:
-        check_output_file(args.plot, "--plot")
+        check_output_file(args.plot, "--plot", inputs + [args.out], ours=is_matplotlib_png)
     if args.data:
         texts = [next(m["content"] for m in r["messages"] if m["role"] == "user") for r in read_records(args.data)]
         texts = texts[: args.limit]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli.args import add_target_args, load_target, positive_int
-from dspark.fsutil import check_output_file
+from dspark.fsutil import check_output_file, is_json_with
 
 
 def register(sub) -> None:
@@ -28,7 +28,7 @@ def register(sub) -> None:
 def run(args) -> int:
     from dspark.scheduling.profile import profile_target
 
-    check_output_file(args.out, "--out")
+    check_output_file(args.out, "--out", ours=lambda p: is_json_with(p, "token_counts", "step_time_ms"))
     target = load_target(args)
     table = profile_target(target, tuple(args.token_counts), args.context, args.repeats, tuple(args.batch_sizes))
     table.save(args.out)

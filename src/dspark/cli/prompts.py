@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from dspark.cli.args import add_target_args, default_eval_dir, finite_float, load_target, positive_int, prompt_mix
-from dspark.fsutil import check_output_file
+from dspark.errors import DSparkError
+from dspark.fsutil import check_output_file, is_json_with, jsonl_lines
 
 
 def register(sub) -> None:
@@ -43,11 +44,24 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
+def is_prompts_file(path) -> bool:
+    """An earlier output of `dspark prompts`: every line a record with its id, source and messages."""
+    try:
+        records = [json.loads(line) for _, line in jsonl_lines(path)]
+    except (DSparkError, ValueError):
+        return False
+    return all(isinstance(r, dict) and {"id", "source", "messages"} <= r.keys() for r in records)
+
+
 def run(args) -> int:
     from dspark.fsutil import atomic_write_json, atomic_write_text
     from dspark.training.sources import build_prompts, drop_answered
 
-    check_output_file(args.out, "--out")
+    inputs = [args.eval_dir, *args.exclude]
+    check_output_file(args.out, "--out", inputs, ours=is_prompts_file)
+    report_path = check_output_file(
+        f"{args.out}.report.json", "--out's report", inputs, ours=lambda p: is_json_with(p, "requested", "counts")
+    )
     write_self = None
     if (args.mix or {}).get("self"):
         from dspark.training.self_prompts import write_user_turns
@@ -63,6 +77,6 @@ def run(args) -> int:
         report["excluded_already_answered"] = len(records) - len(kept)
         records = kept
     atomic_write_text(args.out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    atomic_write_json(str(args.out) + ".report.json", report)
+    atomic_write_json(report_path, report)
     print(json.dumps(report))
     return 0

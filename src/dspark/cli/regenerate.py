@@ -16,7 +16,6 @@ from dspark.cli.args import (
     sampling_from,
     setup_torch,
 )
-from dspark.errors import DSparkError
 from dspark.fsutil import check_output_file
 
 
@@ -55,13 +54,12 @@ def run(args) -> int:
     from dspark.target import load_precision, resolve_device
     from dspark.training.regenerate import completed_ids, regenerate
 
-    prompts, out = Path(args.prompts), check_output_file(args.out, "--out")
-    if out.exists() and prompts.exists() and out.resolve() == prompts.resolve():
-        raise DSparkError(f"--out {out} is the prompts file; regeneration appends answers to a file of its own")
+    prompts, out = Path(args.prompts), check_output_file(args.out, "--out", inputs=[args.prompts])
     records = read_records(prompts)
     if args.limit:
         records = records[: args.limit]
-    completed_ids(out)  # an --out that is not regenerate output is refused before the target loads
+    # An --out that is not regenerate output, or was answered in another precision, is refused before the target loads
+    completed_ids(out, precision=None if args.dtype == "auto" else args.dtype)
     device = resolve_device(args.device)
     if device.type == "cpu":
         target = load_target(args)

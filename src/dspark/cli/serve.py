@@ -9,9 +9,10 @@ from dspark.cli.args import (
     add_target_args,
     build_policy,
     check_policy_args,
-    finite_float,
     keep_a_core_for_serving,
     load_target,
+    nonnegative_float,
+    port_number,
     positive_int,
 )
 
@@ -22,7 +23,7 @@ def register(sub) -> None:
     p.add_argument("--drafter", help="drafter checkpoint: decode speculatively (default: plain decoding)")
     add_policy_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
-    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $DSPARK_API_KEY, else none)")
     p.add_argument("--served-model-name", help="the model name clients ask for (default: --model)")
     p.add_argument("--max-batch", type=positive_int, default=32, help="requests decoding together")
@@ -33,7 +34,7 @@ def register(sub) -> None:
     p.add_argument("--max-body-bytes", type=positive_int, default=1 << 20, help="largest request body (413 above)")
     p.add_argument(
         "--drain-seconds",
-        type=finite_float,
+        type=nonnegative_float,
         default=10.0,
         help="on SIGINT/SIGTERM, requests in flight get this long to finish before they are ended",
     )

@@ -46,7 +46,7 @@ def run(args) -> int:
             raise DSparkError(f"{cfg.out} already holds a run; continue it with --resume, or choose a new --out")
     if cfg.init_from:
         check_drafter_arg(cfg.init_from)
-    check_output_dir(cfg.out, "--out")
+    check_output_dir(cfg.out, "--out", inputs=[p for p in (cfg.data, cfg.init_from) if p])
     setup_torch(args)
     result = train(cfg, resume=args.resume, progress=not args.quiet)
     print(json.dumps(result))

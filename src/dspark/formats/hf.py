@@ -104,7 +104,8 @@ def detect(path: Path) -> str | None:
         return None
     if meta.get("speculators_model_type") == "dspark":
         return "speculators"
-    if DEEPSPEC_ARCHITECTURE in (meta.get("architectures") or []):
+    architectures = meta.get("architectures")
+    if isinstance(architectures, list) and DEEPSPEC_ARCHITECTURE in architectures:
         return "deepspec"
     return None
 

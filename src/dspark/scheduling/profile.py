@@ -12,6 +12,8 @@ R rows of B/R tokens each do, since a ragged forward multiplies only its real to
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -30,8 +32,29 @@ class CostTable:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not self.token_counts or len(self.token_counts) != len(self.step_time_ms):
-            raise DSparkError("a cost table needs matching, non-empty token_counts and step_time_ms")
+        if (
+            not isinstance(self.token_counts, (list, tuple))
+            or not isinstance(self.step_time_ms, (list, tuple))
+            or not self.token_counts
+            or len(self.token_counts) != len(self.step_time_ms)
+        ):
+            raise DSparkError("a cost table needs matching, non-empty lists token_counts and step_time_ms")
+        if not all(_count(n) for n in self.token_counts):
+            raise DSparkError("a cost table's token_counts must be positive whole numbers")
+        if not all(_milliseconds(t, positive=True) for t in self.step_time_ms):
+            raise DSparkError("a cost table's step_time_ms must be finite, positive milliseconds")
+        if not isinstance(self.meta, dict):
+            raise DSparkError("a cost table's extra fields must form a JSON object")
+        for key, fields in (("grid", ("batch_size", "tokens_per_row")), ("draft", ("batch_size",))):
+            rows = self.meta.get(key, [])
+            if not isinstance(rows, list) or not all(
+                isinstance(r, dict) and all(_count(r.get(f)) for f in fields) and _milliseconds(r.get("ms"))
+                for r in rows
+            ):
+                raise DSparkError(
+                    f"a cost table's {key} must be a list of {{{', '.join(fields)}, ms}} with whole counts and finite, "
+                    "non-negative ms"
+                )
         pairs = sorted(zip(self.token_counts, self.step_time_ms))
         self.token_counts = [int(n) for n, _ in pairs]
         self.step_time_ms = [float(t) for _, t in pairs]
@@ -107,16 +130,35 @@ class CostTable:
         """Rounds per second of `rows` rows verifying `width` tokens per row."""
         return 1000.0 / self.round_time(rows, width, drafted)
 
+    def record(self) -> dict:
+        return {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta}
+
     def save(self, path: str | Path) -> None:
-        atomic_write_json(path, {"token_counts": self.token_counts, "step_time_ms": self.step_time_ms, **self.meta})
+        atomic_write_json(path, self.record())
 
     @classmethod
     def load(cls, path: str | Path) -> CostTable:
-        data = read_json(path, "cost table", "make one with `dspark profile`")
+        return cls.from_record(read_json(path, "cost table", "make one with `dspark profile`"), path)
+
+    @classmethod
+    def from_record(cls, data, path: str | Path) -> CostTable:
+        """The table a JSON record holds, checked field by field; anything else is one line naming `path`."""
         if not isinstance(data, dict) or "token_counts" not in data or "step_time_ms" not in data:
             raise DSparkError(f"{path} is not a cost table (needs token_counts and step_time_ms)")
         meta = {k: v for k, v in data.items() if k not in ("token_counts", "step_time_ms")}
-        return cls(data["token_counts"], data["step_time_ms"], meta)
+        try:
+            return cls(data["token_counts"], data["step_time_ms"], meta)
+        except DSparkError as e:
+            raise DSparkError(f"{path}: {e}; make one with `dspark profile`") from e
+
+
+def _count(n) -> bool:
+    return isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0
+
+
+def _milliseconds(t, positive: bool = False) -> bool:
+    ok = isinstance(t, numbers.Real) and not isinstance(t, bool) and math.isfinite(t)
+    return ok and (t > 0 if positive else t >= 0)
 
 
 def fit_monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:

@@ -21,10 +21,11 @@ from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 
 
-def completed_ids(path: Path) -> set[str]:
+def completed_ids(path: Path, precision: str | None = None) -> set[str]:
     """Ids already written to an output file of `regenerate`. A torn last line (a run killed mid-write, so it has no
-    newline) is cut off the file; anything else that is not a regenerated record stops the run with the file as it
-    was: a mistyped --out must never be truncated."""
+    newline) after whole regenerated records is cut off the file; anything else that is not a regenerated record
+    stops the run with the file as it was: a mistyped --out must never be truncated. With `precision`, records
+    answered by our engine in another precision are refused (a resume must not mix two models' answers)."""
     if not path.exists():
         return set()
     if path.is_dir():
@@ -37,23 +38,39 @@ def completed_ids(path: Path) -> set[str]:
         offset += len(raw) + 1
         if not raw.strip():
             continue
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        record = _regenerated_record(path, n, raw)
+        answered_in = (
+            record.get("backend", {}).get("dtype") if record.get("backend", {}).get("name") == "dspark" else None
+        )
+        if precision and answered_in and answered_in != precision:
             raise DSparkError(
-                f"{path}:{n}: not valid JSON ({e}); this is not a regenerate output file, or it was "
-                "damaged. Fix or remove that line, or choose another --out"
-            ) from e
-        if not isinstance(record, dict) or "id" not in record or "assistant_token_ids" not in record:
-            raise DSparkError(
-                f"{path}:{n}: not a regenerated record (no id / assistant_token_ids); --out must be a new "
-                "file or the output of an earlier `dspark regenerate` run, never the prompts file"
+                f"{path}:{n}: answered in {answered_in}, this run would answer in {precision}; resume with --dtype "
+                f"{answered_in}, or write to a new --out"
             )
         done.add(record["id"])
-    if torn:
+    if torn.strip():
+        if not done:  # nothing of ours before it: a file of the user's without a final newline, not a torn record
+            _regenerated_record(path, len(lines) + 1, torn)
+            raise DSparkError(f"{path}: its only record has no final newline; add one, or choose another --out")
         with path.open("rb+") as f:
             f.truncate(offset)
     return done
+
+
+def _regenerated_record(path: Path, n: int, raw: bytes) -> dict:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DSparkError(
+            f"{path}:{n}: not valid JSON ({e}); this is not a regenerate output file, or it was "
+            "damaged. Fix or remove that line, or choose another --out"
+        ) from e
+    if not isinstance(record, dict) or "id" not in record or "assistant_token_ids" not in record:
+        raise DSparkError(
+            f"{path}:{n}: not a regenerated record (no id / assistant_token_ids); --out must be a new "
+            "file or the output of an earlier `dspark regenerate` run, never the prompts file"
+        )
+    return record
 
 
 def regenerate(
@@ -71,11 +88,11 @@ def regenerate(
     `max_seconds` (0 = no limit) no new conversation starts; those under way finish and are written, so a fixed lease
     (a GPU for ten minutes) ends with whole records, and a rerun continues with the rest."""
     out_path = Path(out_path)
-    done = completed_ids(out_path)
+    done = completed_ids(out_path, target.precision if llm is None else None)
     todo = [r for r in records if r["id"] not in done]
     queue = deque()  # (conversation id, prompt ids) of the turns waiting for an answer
     if llm is None:
-        backend = {"name": "dspark", "dtype": str(target.dtype).removeprefix("torch."), "device": target.device.type}
+        backend = {"name": "dspark", "dtype": target.precision, "device": target.device.type}
         answers = stream_plain(target, queue, batch_size, max_new_tokens, sampling)
     else:
         from dspark.training.llama_backend import backend_identity, stream_llama

@@ -49,7 +49,7 @@ def check_bench_args(args, drafters) -> Path:
         eval_path(name)
     if args.markdown:
         check_output_file(args.markdown, "--markdown")
-    return check_output_dir(args.out, "--out")
+    return check_output_dir(args.out, "--out", inputs=drafters)
 
 
 def publish(run: dict, out: Path, name: str, plot, section, markdown: str | None) -> None:

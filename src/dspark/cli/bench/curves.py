@@ -7,7 +7,7 @@ from pathlib import Path
 
 from dspark.cli.args import command_line, finite_float, parse_labelled, section_name
 from dspark.errors import DSparkError
-from dspark.fsutil import check_output_file
+from dspark.fsutil import check_output_file, is_matplotlib_png
 
 
 def register(sub) -> None:
@@ -45,7 +45,7 @@ def run(args) -> int:
     reference = args.reference or next(iter(runs))
     if reference not in runs:
         raise DSparkError(f"--reference '{reference}' is not one of the --run labels ({', '.join(runs)})")
-    check_output_file(args.out, "--out")
+    check_output_file(args.out, "--out", ours=is_matplotlib_png)
     if args.markdown:
         check_output_file(args.markdown, "--markdown")
     curves = training_curves(runs, Path(args.out))
