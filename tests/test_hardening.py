@@ -491,6 +491,9 @@ def test_a_prompt_longer_than_the_context_window_is_refused():
         (["generate", "hi", "--schedule"], "add --drafter"),
         (["bench", "speed", "--name", "../../x"], "must be a plain name"),
         (["bench-engine", "--name", "x"], "is now `dspark bench engine`"),
+        (["serve", "--port", "70000"], "a TCP port is 1 to 65535"),
+        (["serve", "--drain-seconds", "-5"], "must be a number >= 0"),
+        (["prompts", "--out", "p.jsonl", "--mix", "math=0"], "at least one share must be above 0"),
     ],
 )
 def test_bad_arguments_exit_2_before_loading(args, message, capsys):
@@ -739,3 +742,30 @@ def test_a_bad_cost_table_is_refused_before_the_model_loads(tmp_path, capsys, ta
     path.write_text(json.dumps(table))
     drafter = Path(dspark.__file__).parent / "data" / "drafters" / "smollm2-135m-instruct"
     refused(capsys, message, "generate", "hi", "--drafter", drafter, "--cost-table", path)
+
+
+def test_a_calibration_of_another_length_than_the_drafters_block_is_refused(tmp_path, capsys):
+    import dspark
+
+    drafter = Path(dspark.__file__).parent / "data" / "drafters" / "smollm2-135m-instruct"  # 7 drafts a block
+    for temps in ([1.0] * 3, [1.0], [1.0] * 16):
+        path = tmp_path / "calibration.json"
+        path.write_text(json.dumps({"sts_temperatures": temps}))
+        for command in (["generate", "hi"], ["serve"]):
+            refused(
+                capsys,
+                f"has {len(temps)} temperatures",
+                *command,
+                "--drafter",
+                drafter,
+                "--schedule",
+                "--calibration",
+                path,
+            )
+
+
+def test_an_import_config_of_the_wrong_types_is_refused(tmp_path):
+    from dspark.formats import detect
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": 7}))
+    assert detect(tmp_path) is None

@@ -430,10 +430,18 @@ def test_stop_strings_cut_the_text_and_streamed_usage_is_exact(tiny):
         cut = client.chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0, stop=[stop])
         assert cut.choices[0].message.content == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
         chunks = list(
-            client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0, stream=True)
+            client.completions.create(
+                model="tiny",
+                prompt=words(6),
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
         )
         whole = client.completions.create(model="tiny", prompt=words(6), max_tokens=10, temperature=0)
-        assert "".join(c.choices[0].text for c in chunks) == whole.choices[0].text
+        assert "".join(c.choices[0].text for c in chunks[:-1]) == whole.choices[0].text
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])  # OpenAI's shape
         assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
         assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens == len(target.encode_text(words(6)))
 
@@ -656,6 +664,47 @@ def test_shutdown_ends_a_long_stream_within_the_drain_time(tiny):
     assert data[-1] == "data: [DONE]" and "shut down" in data[-2]
 
 
+def test_a_request_during_the_drain_gets_503_not_a_refused_connection(tiny):
+    target, drafter = tiny
+    endless = EndlessTarget(target.model, target.tokenizer, target.name, target.layer_ids)
+    config = ServeConfig("tiny", max_tokens_limit=1000, drain_seconds=2.0)
+    server = LiveServer(create_app(SlowEngine(endless, drafter), target.tokenizer, config), drain_seconds=2.0)
+    server.__enter__()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": words(4)}], "max_tokens": 900, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        next(lines)
+        stopper = threading.Thread(target=server.__exit__, args=(None, None, None))
+        stopper.start()
+        time.sleep(0.3)
+        late = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=False), timeout=10)
+        assert late.status_code == 503 and "shutting down" in late.json()["error"]["message"]
+        rest = [line for line in lines if line.startswith("data: ")]
+    stopper.join(timeout=30)
+    assert not stopper.is_alive() and rest[-1] == "data: [DONE]" and "shut down" in rest[-2]
+
+
+def test_headers_that_trickle_are_cut_off(tiny, monkeypatch):
+    import socket
+
+    from dspark.serve import local
+
+    monkeypatch.setattr(local, "HEADER_SECONDS", 0.5)
+    target, drafter = tiny
+    with LiveServer(create_app(SpeculativeEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))) as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=10) as conn:
+            started = time.monotonic()
+            try:
+                for byte in b"GET /health HTTP/1.1\r\nHost: x\r\n":
+                    conn.sendall(bytes([byte]))
+                    time.sleep(0.1)
+                closed = conn.recv(1) == b""
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            assert closed and time.monotonic() - started < 5
+        assert httpx.get(server.url + "/health").status_code == 200  # the server itself goes on
+
+
 @pytest.mark.real
 def test_a_reply_cut_inside_a_character_holds_the_partial_character_back(real_target):
     from dspark.serve.app import TextPieces
@@ -667,3 +716,130 @@ def test_a_reply_cut_inside_a_character_holds_the_partial_character_back(real_ta
     pieces = TextPieces(tok, [])
     pieces.add(cut)
     assert pieces.flush() == "ok " and "\ufffd" not in pieces.text
+
+
+def sse_events(response) -> list[dict]:
+    """The JSON events of a server-sent stream, [DONE] checked last and left out."""
+    lines = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_the_request_shapes_real_clients_send(tiny):
+    """Content as text parts, prompts as lists of strings or token ids, ignore_eos, min_tokens at its neutral value,
+    and the usage options: each answered 200 and with what the plain shape gives; what cannot be honoured is refused
+    by name."""
+    target, drafter = tiny
+    app = create_app(SpeculativeEngine(target, drafter), target.tokenizer, ServeConfig("tiny"))
+    messages = [{"role": "user", "content": words(6)}]
+    with LiveServer(app) as server:
+
+        def post(path, **body):
+            return httpx.post(server.url + path, json={"model": "tiny", "temperature": 0, **body}, timeout=60)
+
+        plain = post("/v1/chat/completions", messages=messages, max_tokens=12).json()["choices"][0]["message"]
+        parts = [{"role": "user", "content": [{"type": "text", "text": words(6)}]}]
+        reply = post("/v1/chat/completions", messages=parts, max_tokens=12, min_tokens=0)
+        assert reply.status_code == 200 and reply.json()["choices"][0]["message"] == plain
+        two = [{"role": "user", "content": [{"type": "text", "text": "t5"}, {"type": "text", "text": "t6"}]}]
+        joined = [{"role": "user", "content": "t5\nt6"}]
+        assert (
+            post("/v1/chat/completions", messages=two, max_tokens=6).json()["choices"][0]["message"]
+            == post("/v1/chat/completions", messages=joined, max_tokens=6).json()["choices"][0]["message"]
+        )
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+        refusal = post("/v1/chat/completions", messages=image, max_tokens=4)
+        assert refusal.status_code == 400 and "'image_url' is not supported" in refusal.json()["error"]["message"]
+        refusal = post("/v1/chat/completions", messages=messages, max_tokens=4, min_tokens=3)
+        assert refusal.status_code == 400 and "min_tokens" in refusal.json()["error"]["message"]
+
+        # prompts: a list of strings is one choice per prompt, token ids are read as they are
+        prompts = [words(4), words(5, start=20), words(3, start=9)]
+        alone = [post("/v1/completions", prompt=p, max_tokens=8).json()["choices"][0]["text"] for p in prompts]
+        batch = post("/v1/completions", prompt=prompts, max_tokens=8).json()
+        assert [c["index"] for c in batch["choices"]] == [0, 1, 2] and [c["text"] for c in batch["choices"]] == alone
+        ids = [target.encode_text(p) for p in prompts]
+        assert post("/v1/completions", prompt=ids[0], max_tokens=8).json()["choices"][0]["text"] == alone[0]
+        assert [c["text"] for c in post("/v1/completions", prompt=ids, max_tokens=8).json()["choices"]] == alone
+        assert batch["usage"]["prompt_tokens"] == sum(map(len, ids))
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json={"model": "tiny", "prompt": prompts, "max_tokens": 8, "temperature": 0, "stream": True},
+            timeout=60,
+        ) as r:
+            events = sse_events(r)
+        texts = ["".join(e["choices"][0]["text"] for e in events if e["choices"][0]["index"] == i) for i in range(3)]
+        assert texts == alone and all("usage" not in e for e in events)  # usage only when asked for
+        for bad in ([], [[]], [1, "a"], [target.vocab_size]):
+            assert post("/v1/completions", prompt=bad, max_tokens=4).status_code == 400
+
+        # ignore_eos: to max_tokens through stop tokens
+        long = post("/v1/completions", prompt=words(6), max_tokens=60, ignore_eos=True).json()
+        assert long["usage"]["completion_tokens"] == 60 and long["choices"][0]["finish_reason"] == "length"
+
+        # usage: off, at the end in OpenAI's shape, or on every chunk (vLLM's continuous_usage_stats)
+        for options in ({"include_usage": False}, {"include_usage": True, "continuous_usage_stats": True}):
+            with httpx.stream(
+                "POST",
+                server.url + "/v1/chat/completions",
+                json={
+                    "model": "tiny",
+                    "messages": messages,
+                    "max_tokens": 12,
+                    "temperature": 0,
+                    "stream": True,
+                    "stream_options": options,
+                },
+                timeout=60,
+            ) as r:
+                events = sse_events(r)
+            text = "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+            assert text == plain["content"]
+            if options["include_usage"]:
+                assert events[-1]["choices"] == [] and all(e["usage"] for e in events)
+                counts = [e["usage"]["completion_tokens"] for e in events]
+                assert counts == sorted(counts) and counts[-1] == events[-1]["usage"]["completion_tokens"] > 0
+            else:
+                assert all("usage" not in e for e in events)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_guidellm_request_shapes_stream_against_plain_and_speculative_servers(tiny, speculative):
+    """The body guidellm 0.8 streams (text parts, ignore_eos, continuous usage), at 1 and 4 concurrent streams: every
+    request answered, with the same greedy text from the plain and the speculative server."""
+    target, drafter = tiny
+    engine = SpeculativeEngine(target, drafter if speculative else None)
+    app = create_app(engine, target.tokenizer, ServeConfig("tiny"))
+    prompts = [words(8, start=5 + i) for i in range(8)]
+    expected = [
+        target.tokenizer.decode(
+            generate_plain(target, [target.encode_chat([{"role": "user", "content": p}])], 16, stop_token_ids=set())[
+                0
+            ].token_ids,
+            skip_special_tokens=True,
+        )
+        for p in prompts
+    ]
+    with LiveServer(app) as server:
+
+        def one(prompt):
+            body = {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": prompt}]}],
+                "max_tokens": 16,
+                "max_completion_tokens": 16,
+                "ignore_eos": True,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+            }
+            with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                events = sse_events(r)
+            assert events[-1]["usage"]["completion_tokens"] == 16
+            return "".join(e["choices"][0]["delta"].get("content", "") for e in events if e["choices"])
+
+        for streams in (1, 4):
+            with ThreadPoolExecutor(streams) as pool:
+                assert list(pool.map(one, prompts)) == expected

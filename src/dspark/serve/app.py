@@ -57,12 +57,29 @@ class Strict(BaseModel):
 
 class ChatMessage(Strict):
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: str  # or a list of text parts, joined with newlines (as vLLM joins them)
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def text_of_parts(cls, content):
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str) or set(part) != {"type", "text"}:
+                raise ValueError(
+                    f"a content part of type {kind!r} is not supported by this server; send text parts "
+                    '({"type": "text", "text": ...}) or a string'
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class StreamOptions(Strict):
-    include_usage: StrictBool = True  # usage is always sent with the last chunk
+    include_usage: StrictBool = False  # a last chunk with the request's usage and no choices, as OpenAI sends it
+    continuous_usage_stats: StrictBool = False  # usage so far on every chunk (vLLM's extension)
 
 
 class GenerationBody(Strict):
@@ -78,6 +95,9 @@ class GenerationBody(Strict):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=1)
     user: str | None = None
+    ignore_eos: StrictBool = False  # vLLM's extension: generate to max_tokens through stop tokens (benchmarks)
+    # vLLM's extension, at its neutral value only: suppressing stop tokens would change the target's distribution
+    min_tokens: StrictInt = Field(0, ge=0, le=0)
     # Accepted at their neutral values only: anything else would change the output in a way this server does not.
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -98,10 +118,24 @@ class ChatBody(GenerationBody):
 
 
 class CompletionBody(GenerationBody):
-    prompt: str
+    prompt: str | list  # a string, a list of strings (one choice each), token ids, or a list of token-id lists
     logprobs: StrictInt | None = Field(None, ge=0, le=5)  # the legacy API: the count of alternatives
     echo: Literal[False] = False
     best_of: StrictInt = Field(1, ge=1, le=1)
+
+    @field_validator("prompt")
+    @classmethod
+    def prompt_shape(cls, prompt):
+        def ids(p) -> bool:
+            return isinstance(p, list) and bool(p) and all(type(t) is int for t in p)
+
+        if isinstance(prompt, str) or (
+            prompt and (all(isinstance(p, str) for p in prompt) or ids(prompt) or all(ids(p) for p in prompt))
+        ):
+            return prompt
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids, or a list of token-id lists (none empty)"
+        )
 
 
 # Fields of the OpenAI API this server does not implement: refused by name with a 400 that says so.
@@ -144,8 +178,6 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
     loop_ = EngineLoop(engine, config.max_batch, metrics)
     ids = count()
     state = {"accepting": True}
-    window = engine.target.context_window
-    stop_ids = engine.target.stop_token_ids
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -163,6 +195,7 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
 
     app = FastAPI(title="dspark", lifespan=lifespan)
     app.state.engine_loop, app.state.metrics, app.state.begin_shutdown = loop_, metrics, begin_shutdown
+    app.state.in_flight, app.state.drain_seconds = loop_.load, config.drain_seconds
 
     @app.exception_handler(ApiError)
     async def api_error(_request, e: ApiError):
@@ -227,146 +260,15 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
             "data": [{"id": config.model_name, "object": "model", "created": 0, "owned_by": "dspark"}],
         }
 
-    def prepare(
-        body: GenerationBody, prompt: list[int], top_logprobs: int | None
-    ) -> tuple[RequestState, SamplingParams, list[str]]:
-        if body.model != config.model_name:
-            raise ApiError(
-                404,
-                f"model '{body.model}' is not served here; this server serves '{config.model_name}'",
-                code="model_not_found",
-                param="model",
-            )
+    completions = Completions(loop_, tokenizer, config, engine.target, next_id=lambda: next(ids))
+
+    def accepting() -> None:
         if not state["accepting"]:
             raise ApiError(503, "the server is shutting down", "server_error")
-        # max_completion_tokens replaces the older max_tokens, and wins where both are given (as in the OpenAI API)
-        field, wanted = next(
-            ((f, getattr(body, f)) for f in ("max_completion_tokens", "max_tokens") if getattr(body, f) is not None),
-            ("max_tokens", None),
-        )
-        if wanted is not None and not 1 <= wanted <= config.max_tokens_limit:
-            raise ApiError(400, f"{field} must be between 1 and {config.max_tokens_limit}, got {wanted}", param=field)
-        room = (window or 1 << 62) - len(prompt)
-        if room <= 0 or (wanted is not None and wanted > room):
-            asked = f" + {field} {wanted}" if wanted is not None else ""
-            raise ApiError(
-                400,
-                f"the prompt has {len(prompt)} tokens{asked}, over this model's context window of "
-                f"{window} tokens; shorten the prompt{' or lower ' + field if wanted else ''}",
-                code="context_length_exceeded",
-                param="messages" if isinstance(body, ChatBody) else "prompt",
-            )
-        if loop_.load() >= config.max_concurrent:
-            raise ApiError(429, f"{config.max_concurrent} requests are in flight; retry later", "rate_limit_error")
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        try:
-            request = RequestState(
-                next(ids), prompt, wanted or config.default_max_tokens, stop_ids, window, top_logprobs=top_logprobs
-            )
-            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
-        except DSparkError as e:
-            raise ApiError(400, str(e)) from e
-        return request, sampling, stops
-
-    async def run(body: GenerationBody, prompt: list[int], chat: bool, top_logprobs: int | None):
-        request, sampling, stops = prepare(body, prompt, top_logprobs)
-        sub = Submission(request, sampling, asyncio.get_running_loop())
-        loop_.submit(sub)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        pieces = TextPieces(tokenizer, stops)
-        if body.stream:
-            return StreamingResponse(stream(sub, pieces, rid, chat, body.model), media_type="text/event-stream")
-        try:
-            reason, error = await collect(sub, pieces)
-        finally:
-            if not request.finished:
-                loop_.cancel(request.index)
-        if reason == "error":
-            raise ApiError(500, f"generation failed: {error}", "server_error")
-        if reason == "shutdown":
-            raise ApiError(503, "the server shut down before this request finished; retry", "server_error")
-        logprobs = (
-            render_logprobs(tokenizer, request.logprobs[: pieces.tokens], chat) if top_logprobs is not None else None
-        )
-        choice = {"index": 0, "finish_reason": finish_reason(reason), "logprobs": logprobs}
-        choice.update({"message": {"role": "assistant", "content": pieces.text}} if chat else {"text": pieces.text})
-        return {
-            "id": rid,
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": body.model,
-            "choices": [choice],
-            "usage": usage(len(prompt), pieces.tokens),
-        }
-
-    async def collect(sub: Submission, pieces: TextPieces):
-        while True:
-            event = await sub.events.get()
-            if event[0] == "done":
-                pieces.flush()
-                return event[1], event[2]
-            if pieces.add(event[1]):  # a stop string: the rest is not wanted
-                loop_.cancel(sub.request.index)
-                return "stop", None
-
-    async def stream(sub: Submission, pieces: TextPieces, rid: str, chat: bool, model: str):
-        created = int(time.time())
-
-        want_logprobs = sub.request.top_logprobs is not None
-        sent = 0  # tokens whose log-probabilities went out
-
-        def chunk(delta: dict, reason=None, usage_=None):
-            nonlocal sent
-            logprobs = None
-            if want_logprobs and delta.get("content"):
-                logprobs = render_logprobs(tokenizer, sub.request.logprobs[sent : pieces.tokens], chat)
-                sent = pieces.tokens
-            choice = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
-            if chat:
-                choice["delta"] = delta
-            else:
-                choice["text"] = delta.get("content", "")
-            data = {
-                "id": rid,
-                "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created,
-                "model": model,
-                "choices": [choice],
-            }
-            if usage_:
-                data["usage"] = usage_
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        try:
-            if chat:
-                yield chunk({"role": "assistant", "content": ""})
-            reason = None
-            while reason is None:
-                event = await sub.events.get()
-                if event[0] == "done":
-                    reason, tail = event[1], pieces.flush()
-                    if tail:
-                        yield chunk({"content": tail})
-                    break
-                before = len(pieces.text)
-                stopped = pieces.add(event[1])
-                if len(pieces.text) > before:
-                    yield chunk({"content": pieces.text[before:]})
-                if stopped:
-                    loop_.cancel(sub.request.index)
-                    reason = "stop"
-            if reason in ("error", "shutdown"):
-                message = "generation failed" if reason == "error" else "the server shut down before this finished"
-                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
-            else:
-                yield chunk({}, finish_reason(reason), usage(len(sub.request.prompt), pieces.tokens))
-            yield "data: [DONE]\n\n"
-        finally:  # the client went away (or we are done): its row leaves the batch
-            if not sub.request.finished:
-                loop_.cancel(sub.request.index)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody):
+        accepting()
         messages = [{"role": m.role, "content": m.content} for m in body.messages]
         if body.top_logprobs is not None and not body.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -374,17 +276,203 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
             prompt = engine.target.encode_chat(messages)
         except DSparkError as e:
             raise ApiError(400, str(e), param="messages") from e
-        return await run(body, prompt, chat=True, top_logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return await completions.respond(body, [prompt], chat=True, top_logprobs=top_logprobs)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionBody):
-        try:
-            prompt = engine.target.encode_text(body.prompt)
-        except DSparkError as e:
-            raise ApiError(400, str(e), param="prompt") from e
-        return await run(body, prompt, chat=False, top_logprobs=body.logprobs)
+    async def text_completions(body: CompletionBody):
+        accepting()
+        return await completions.respond(body, prompt_ids(engine.target, body.prompt), False, body.logprobs)
 
     return app
+
+
+def prompt_ids(target, prompt: str | list) -> list[list[int]]:
+    """Each prompt of a completions request as token ids: strings encoded, token ids checked against the vocabulary."""
+    if isinstance(prompt, str) or isinstance(prompt[0], str):
+        try:
+            return [target.encode_text(text) for text in ([prompt] if isinstance(prompt, str) else prompt)]
+        except DSparkError as e:
+            raise ApiError(400, str(e), param="prompt") from e
+    prompts = [prompt] if isinstance(prompt[0], int) else prompt
+    bad = next((t for p in prompts for t in p if not 0 <= t < target.vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} is outside the vocabulary (0 to {target.vocab_size - 1})", param="prompt")
+    return prompts
+
+
+class Completions:
+    """Validated requests to the engine loop and back as OpenAI responses, whole or streamed; one choice per prompt."""
+
+    def __init__(self, loop_: EngineLoop, tokenizer, config: ServeConfig, target, next_id):
+        self.loop, self.tokenizer, self.config, self.next_id = loop_, tokenizer, config, next_id
+        self.window, self.stop_ids = target.context_window, target.stop_token_ids
+
+    def max_tokens(self, body: GenerationBody) -> tuple[str, int | None]:
+        """The field that sets the length, and its value: max_completion_tokens replaces the older max_tokens, and
+        wins where both are given (as in the OpenAI API)."""
+        field, wanted = next(
+            ((f, getattr(body, f)) for f in ("max_completion_tokens", "max_tokens") if getattr(body, f) is not None),
+            ("max_tokens", None),
+        )
+        if wanted is not None and not 1 <= wanted <= self.config.max_tokens_limit:
+            raise ApiError(
+                400, f"{field} must be between 1 and {self.config.max_tokens_limit}, got {wanted}", param=field
+            )
+        return field, wanted
+
+    def prepare(self, body: GenerationBody, prompt: list[int], top_logprobs: int | None) -> Submission:
+        """A request the engine loop can take, or the 4xx that says why not."""
+        if body.model != self.config.model_name:
+            raise ApiError(
+                404,
+                f"model '{body.model}' is not served here; this server serves '{self.config.model_name}'",
+                code="model_not_found",
+                param="model",
+            )
+        field, wanted = self.max_tokens(body)
+        room = (self.window or 1 << 62) - len(prompt)
+        if room <= 0 or (wanted is not None and wanted > room):
+            asked = f" + {field} {wanted}" if wanted is not None else ""
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens{asked}, over this model's context window of "
+                f"{self.window} tokens; shorten the prompt{' or lower ' + field if wanted else ''}",
+                code="context_length_exceeded",
+                param="messages" if isinstance(body, ChatBody) else "prompt",
+            )
+        stops = set() if body.ignore_eos else self.stop_ids
+        try:
+            request = RequestState(
+                self.next_id(), prompt, wanted or self.config.default_max_tokens, stops, self.window, top_logprobs
+            )
+            sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
+        except DSparkError as e:
+            raise ApiError(400, str(e)) from e
+        return Submission(request, sampling, asyncio.get_running_loop())
+
+    async def respond(self, body: GenerationBody, prompts: list[list[int]], chat: bool, top_logprobs: int | None):
+        """Every prompt checked before any is submitted: one bad prompt refuses the request and runs nothing."""
+        subs = [self.prepare(body, prompt, top_logprobs) for prompt in prompts]
+        if self.loop.load() + len(subs) > self.config.max_concurrent:
+            raise ApiError(429, f"{self.config.max_concurrent} requests are in flight; retry later", "rate_limit_error")
+        for sub in subs:
+            self.loop.submit(sub)
+        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        pieces = [TextPieces(self.tokenizer, stops) for _ in subs]
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if body.stream:
+            events = self.stream(subs, pieces, rid, chat, body)
+            return StreamingResponse(events, media_type="text/event-stream")
+        try:
+            outcomes = await asyncio.gather(*(self.collect(sub, text) for sub, text in zip(subs, pieces)))
+        finally:
+            self.cancel_unfinished(subs)
+        reasons = [reason for reason, _ in outcomes]
+        if "error" in reasons:
+            raise ApiError(500, f"generation failed: {outcomes[reasons.index('error')][1]}", "server_error")
+        if "shutdown" in reasons:
+            raise ApiError(503, "the server shut down before this request finished; retry", "server_error")
+        choices = []
+        for i, (sub, text, reason) in enumerate(zip(subs, pieces, reasons)):
+            entries = sub.request.logprobs[: text.tokens]
+            logprobs = render_logprobs(self.tokenizer, entries, chat) if top_logprobs is not None else None
+            choice = {"index": i, "finish_reason": finish_reason(reason), "logprobs": logprobs}
+            choice.update({"message": {"role": "assistant", "content": text.text}} if chat else {"text": text.text})
+            choices.append(choice)
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": body.model,
+            "choices": choices,
+            "usage": total_usage(subs, pieces),
+        }
+
+    def cancel_unfinished(self, subs: list[Submission]) -> None:
+        for sub in subs:
+            if not sub.request.finished:
+                self.loop.cancel(sub.request.index)
+
+    async def collect(self, sub: Submission, pieces: TextPieces):
+        while True:
+            event = await sub.events.get()
+            if event[0] == "done":
+                pieces.flush()
+                return event[1], event[2]
+            if pieces.add(event[1]):  # a stop string: the rest is not wanted
+                self.loop.cancel(sub.request.index)
+                return "stop", None
+
+    async def stream(self, subs: list[Submission], pieces: list[TextPieces], rid: str, chat: bool, body):
+        """Server-sent events of every choice as its tokens come, interleaved; then, where asked for, a last chunk
+        with the usage and no choices (OpenAI's shape), and [DONE]."""
+        options = body.stream_options or StreamOptions()
+        continuous = options.include_usage and options.continuous_usage_stats  # as vLLM: both asked for
+        created, sent = int(time.time()), [0] * len(subs)
+
+        def event(choices: list, usage_=None) -> str:
+            data = {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": body.model,
+                "choices": choices,
+            }
+            if options.include_usage:
+                data["usage"] = usage_
+            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        def chunk(i: int, delta: dict, reason=None) -> str:
+            logprobs = None
+            if subs[i].request.top_logprobs is not None and delta.get("content"):
+                logprobs = render_logprobs(self.tokenizer, subs[i].request.logprobs[sent[i] : pieces[i].tokens], chat)
+                sent[i] = pieces[i].tokens
+            choice = {"index": i, "finish_reason": reason, "logprobs": logprobs}
+            if chat:
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta.get("content", "")
+            return event([choice], total_usage(subs, pieces) if continuous else None)
+
+        waiting = {asyncio.ensure_future(sub.events.get()): i for i, sub in enumerate(subs)}
+        try:
+            if chat:
+                for i in range(len(subs)):
+                    yield chunk(i, {"role": "assistant", "content": ""})
+            failed = None
+            while waiting and failed is None:
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i, (kind, *payload) = waiting.pop(task), task.result()
+                    if kind == "done":
+                        reason, tail = payload[0], pieces[i].flush()
+                        if tail:
+                            yield chunk(i, {"content": tail})
+                    else:
+                        before = len(pieces[i].text)
+                        stopped = pieces[i].add(payload[0])
+                        if len(pieces[i].text) > before:
+                            yield chunk(i, {"content": pieces[i].text[before:]})
+                        if not stopped:
+                            waiting[asyncio.ensure_future(subs[i].events.get())] = i
+                            continue
+                        self.loop.cancel(subs[i].request.index)
+                        reason = "stop"
+                    if reason in ("error", "shutdown"):
+                        failed = reason
+                    else:
+                        yield chunk(i, {}, finish_reason(reason))
+            if failed:
+                message = "generation failed" if failed == "error" else "the server shut down before this finished"
+                yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error'}})}\n\n"
+            elif options.include_usage:
+                yield event([], total_usage(subs, pieces))
+            yield "data: [DONE]\n\n"
+        finally:  # the client went away (or we are done): its rows leave the batch
+            for task in waiting:
+                task.cancel()
+            self.cancel_unfinished(subs)
 
 
 class TextPieces:
@@ -433,7 +521,7 @@ def validation_error(errors: list) -> ApiError:
             )
         return ApiError(400, f"unrecognized request argument: {where}", code="unknown_parameter", param=where)
     message = first.get("msg", "invalid request")
-    if loc and loc[-1] in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of"):
+    if loc and loc[-1] in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "min_tokens"):
         message = f"{loc[-1]} is not supported by this server beyond its default"
     return ApiError(400, f"{message}{f' ({where})' if where else ''}", param=where)
 
@@ -511,6 +599,10 @@ class WholeBody:
 
 def finish_reason(reason: str) -> str:
     return {"stop": "stop", "length": "length", "cancelled": "stop"}.get(reason, reason)
+
+
+def total_usage(subs: list[Submission], pieces: list[TextPieces]) -> dict:
+    return usage(sum(len(sub.request.prompt) for sub in subs), sum(text.tokens for text in pieces))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
