@@ -88,6 +88,24 @@ def tiny_drafter(target: Target, seed=1, **overrides) -> DSparkDrafter:
     return drafter.eval()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """Every test's tuning records go into a cache of this session, never the user's (a subprocess inherits it); the
+    converted target and inductor's compiled kernels, pure functions of their inputs, are shared with the user's
+    cache, so that a machine converts and compiles them once rather than in every run."""
+    from dspark.models import cache_dir
+
+    user = cache_dir()
+    cache = tmp_path_factory.mktemp("dspark-cache")
+    for shared in ("targets", "inductor"):
+        (user / shared).mkdir(parents=True, exist_ok=True)
+        (cache / shared).symlink_to(user / shared, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DSPARK_CACHE", str(cache))
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(user / "inductor"))
+        yield cache
+
+
 @pytest.fixture
 def target():
     return tiny_target()

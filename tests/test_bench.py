@@ -121,6 +121,7 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     ).endswith("| – |")
 
 
+@pytest.mark.slow
 def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
     folder = tmp_path / "run"
     folder.mkdir()

@@ -22,6 +22,7 @@ def untrained_drafter(real_target, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_generate_json(real_target):
     proc = dspark("generate", "Write a haiku about the sea", "--max-new-tokens", "8", "--json")
     assert proc.returncode == 0, proc.stderr
@@ -29,6 +30,7 @@ def test_generate_json(real_target):
     assert out["new_tokens"] == 8 and out["text"] and out["tokens_per_s"] > 0 and len(out["token_ids"]) == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "int4"])
 def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained_drafter, dtype):
     proc = dspark(
@@ -50,6 +52,7 @@ def test_speculative_generate_is_identical_to_plain_on_the_real_target(untrained
     assert out["speedup"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_the_shipped_drafter_in_bfloat16_gives_plain_output_token_for_token(real_target):
     """bfloat16 runs batch-invariant: speculative output equals plain output on real prompts, near ties included."""
@@ -68,6 +71,7 @@ def test_the_shipped_drafter_in_bfloat16_gives_plain_output_token_for_token(real
     assert alone == plain and batched == plain
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -92,6 +96,7 @@ def test_models_lists_the_default_target(real_target):
     assert rows[0]["name"] == "smollm2-135m-instruct" and rows[0]["provisioned"] is True
 
 
+@pytest.mark.slow
 def test_demo_runs_side_by_side(untrained_drafter):
     proc = dspark(
         "demo",
@@ -108,6 +113,7 @@ def test_demo_runs_side_by_side(untrained_drafter):
     assert "outputs IDENTICAL" in proc.stdout and "speed-up" in proc.stdout and "mean τ" in proc.stdout
 
 
+@pytest.mark.slow
 def test_shipped_drafter_demo(tmp_path):
     """The README's main command on the drafter that ships: small, calibrated, lossless, and it accepts drafts.
 

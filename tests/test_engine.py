@@ -174,6 +174,7 @@ def test_sampling_distribution_equals_target(params):
     assert chi_square_p(seqs, probs, counts, n) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler", "production"])
 def test_sampling_with_a_noisy_oracle_follows_the_target_in_a_ragged_batch(policy):
     """Two prompts of different lengths in one batch, drafts mostly right: each prompt's continuations follow the
@@ -195,6 +196,7 @@ def test_sampling_with_a_noisy_oracle_follows_the_target_in_a_ragged_batch(polic
         assert chi_square_p(seqs, probs, counts, len(rows)) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["draft-vocab", "eagle3"])
 def test_sampling_distribution_with_other_drafters(kind):
     """The reduced draft vocabulary (probabilities mapped back to target ids) and the EAGLE baseline are lossless."""
@@ -220,6 +222,7 @@ def test_sampling_distribution_with_other_drafters(kind):
     assert chi_square_p(seqs, probs, counts, 6000) > 1e-3
 
 
+@pytest.mark.slow
 def test_statistical_test_catches_a_broken_residual(monkeypatch):
     """The same test must fail for a biased sampler: on rejection, sample from q instead of max(0, q - p)."""
     monkeypatch.setattr(verify, "residual_distribution", lambda q, p: q)

@@ -140,9 +140,9 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     assert engine_plot(run, tmp_path / "engine.png").stat().st_size > 1000
 
 
+@pytest.mark.slow
 def test_engine_bench_races_the_compiled_int4_step_beside_the_eager_one(tiny_run, tmp_path, monkeypatch):
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     lines: list[str] = []
     run = tiny_engine_bench(tiny_run, tmp_path, ["int4", "bfloat16"], progress=lines.append, compiled=True)
     assert ("int4", "ours, compiled") in {(r["dtype"], r["engine"]) for r in run["forward"]}

@@ -206,6 +206,7 @@ def test_llama_cpp_loads_the_exported_draft(real_target, real_portable, tmp_path
         llama_cpp.llama_model_free(model)
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_float32_gguf_holds_the_weights_our_float32_target_runs(real_target, tmp_path):
     """The benchmark's float32 copy of the target's GGUF: same keys and tokenizer, every tensor dequantized to

@@ -240,6 +240,7 @@ def test_profiling_interleaves_what_it_times():
     assert calls == ["a", "b"] * 4 and set(medians) == {"a", "b"}  # one warm-up pass, then 3 timed
 
 
+@pytest.mark.slow
 def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run, tmp_path):
     import json
     import subprocess

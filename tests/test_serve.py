@@ -242,6 +242,7 @@ def test_requests_over_the_limit_are_answered_429(tiny):
             assert second.status_code == 429 and second.json()["error"]["type"] == "rate_limit_error"
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_serving_the_real_target_with_the_shipped_drafter(real_target, tmp_path):
     """32 concurrent requests get what each gets alone, and /metrics watches the scheduler's calibration. The cost
@@ -319,6 +320,7 @@ def test_shutdown_lets_in_flight_requests_finish(tiny):
     assert result["answer"].choices[0].finish_reason in ("stop", "length") and result["answer"].usage.completion_tokens
 
 
+@pytest.mark.slow
 def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     """`bench serve` mechanics on the tiny target: every policy at every level and repetition, the server's round
     metrics per level, intervals, matched throughput, the goals, both plots; a second run resumes from its log."""

@@ -160,6 +160,7 @@ def test_bad_requests_are_refused(target):
         target.validate_layer_ids([3])  # the last of 4 layers
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_plain_greedy_equals_hf_generate_on_real_target(real_target):
     prompt = real_target.encode_chat("Write a haiku about the sea")
@@ -428,6 +429,7 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
         "int4-float16-head",
     ],
 )
+@pytest.mark.slow
 def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
     from dspark.decoder import packing_available
     from dspark.target import Target
@@ -468,6 +470,7 @@ def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone(
             assert torch.equal(head.logits(hidden[start : start + width]), logits[start : start + width])
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
     from dspark.assets import eval_prompts
@@ -486,14 +489,12 @@ def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
 
 # ---- the compiled decode step: one graph for every one-row forward ----------------------------------------------------
 @pytest.fixture(scope="module")
-def compiled_tiny(tmp_path_factory):
-    # Compiled (both graphs, in compile()) into a folder of its own, not the user's inductor cache; the setting ends
-    # there, so later compiles (the real target's below) use the dspark cache as a user's would.
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
-        return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
+def compiled_tiny():
+    # Compiled (both graphs, in compile()) into the session's inductor cache (conftest), kept between runs.
+    return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
 
 
+@pytest.mark.slow
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
     from torch._dynamo.utils import counters
 
@@ -567,6 +568,7 @@ def test_compiling_needs_an_int4_target():
             target.compile()
 
 
+@pytest.mark.slow
 @pytest.mark.real
 def test_the_compiled_real_target_decodes_losslessly_in_int4():
     from dspark.assets import eval_prompts, shipped_drafter

@@ -157,6 +157,7 @@ def test_bad_lines_are_reported_with_file_and_line(tmp_path, bad, message):
         read_records(path)
 
 
+@pytest.mark.slow
 def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets():
     from dspark.cli.args import default_eval_dir
     from dspark.training.sources import MIX, _shingles, build_prompts, eval_shingles
@@ -185,6 +186,7 @@ def test_prompt_mix_covers_what_users_ask_and_never_overlaps_the_evaluation_sets
         build_prompts(10, 0, default_eval_dir(), {"poetry": 1.0})
 
 
+@pytest.mark.slow
 def test_the_target_writes_user_requests_of_its_own_and_only_finished_new_clean_ones_are_kept(
     real_target, capsys, tmp_path
 ):
@@ -233,6 +235,7 @@ def test_the_target_writes_user_requests_of_its_own_and_only_finished_new_clean_
     assert [r["source"] for r in read_records(out)] == ["self", "self"]
 
 
+@pytest.mark.slow
 def test_code_tasks_come_from_libraries_too_with_their_docstrings_cut_to_summary_and_examples():
     from dspark.cli.args import default_eval_dir
     from dspark.training.sources import LIBRARY_MODULES, _doc_digest, _documented_functions, build_prompts
@@ -284,6 +287,7 @@ def test_loss_mask_covers_assistant_tokens_only(real_target):
     assert forced.input_ids[-3:] == [1, 2, 3] and sum(forced.loss_mask) == 3
 
 
+@pytest.mark.slow
 def test_prompts_exclude_what_an_earlier_set_answered(tmp_path, capsys):
     from conftest import run_cli
 
@@ -334,6 +338,7 @@ class CountingTarget:
         return [3 + len(m["content"]) % 50 for m in messages]
 
 
+@pytest.mark.slow
 def test_regeneration_resumes_without_duplicates_or_losses(tmp_path, monkeypatch):
     target = CountingTarget(tiny_target(eos=7))
     records = [{"id": f"r{i}", "messages": [{"role": "user", "content": "x" * i}] * (1 + i % 2)} for i in range(9)]
@@ -369,6 +374,7 @@ def test_regeneration_resumes_without_duplicates_or_losses(tmp_path, monkeypatch
         assert len(r["assistant_token_ids"]) == users and r["sampling"]["temperature"] == 0.0
 
 
+@pytest.mark.slow
 def test_regeneration_time_limit_finishes_what_it_started_and_a_rerun_does_the_rest(tmp_path, monkeypatch):
     """--max-minutes: past the limit no conversation starts, those under way (a follow-up turn included) are written
     whole, and the next run answers the rest."""
@@ -432,6 +438,7 @@ def test_training_precision_defaults_to_what_is_native_on_the_machine(monkeypatc
     assert (default.for_device(cpu).target_dtype, default.for_device(cpu).bf16) == ("bfloat16", True)
 
 
+@pytest.mark.slow
 def test_a_few_steps_reduce_the_loss(tiny_run, tmp_path):
     from dspark.training.trainer import train
 
@@ -468,6 +475,7 @@ def test_a_family_drafter_continues_on_the_portable_backbone(tiny_run, tmp_path)
     assert load_drafter(tmp_path / "qwen3" / "checkpoint", target).config.backbone == "qwen3"
 
 
+@pytest.mark.slow
 def test_a_continued_drafter_widens_its_markov_rank_keeping_what_it_learned(tiny_run, tmp_path):
     """`train --init-from D --widen-markov-rank R`: before any step the wider drafter's logits and confidences are
     D's exactly; training moves the new dimensions; the run resumes at the wider rank; a smaller rank is refused."""
@@ -506,6 +514,7 @@ def test_a_continued_drafter_widens_its_markov_rank_keeping_what_it_learned(tiny
         )
 
 
+@pytest.mark.slow
 def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned(tiny_run, tmp_path):
     """`train --init-from D --draft-vocab-size N` adds the most frequent answer tokens D lacks; D's Markov rows move
     with their tokens, the new ones start at zero, so before any step the wider drafter proposes what D proposed
@@ -556,6 +565,7 @@ def test_a_continued_drafter_widens_its_draft_vocabulary_keeping_what_it_learned
         )
 
 
+@pytest.mark.slow
 def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tiny_run, tmp_path):
     """--copied-lr-scale 0 keeps the backbone's layers and final norm exactly the target's top layers while the rest
     learns; the scale is kept in the checkpoint, so a resumed run goes on at the same rates."""
@@ -585,6 +595,7 @@ def test_copied_lr_scale_moves_the_layers_copied_from_the_target_at_its_rate(tin
     assert sorted({g["lr_scale"] for g in state["param_groups"]}) == [0.0, 1.0]
 
 
+@pytest.mark.slow
 def test_add_draft_layers_deepens_a_trained_drafter_from_exactly_where_it_was(tiny_run, tmp_path):
     """--add-draft-layers appends layers that start as identities: the deepened drafter proposes what it proposed
     before; then the new layers learn at the full rate while the copied ones keep --copied-lr-scale, also when
@@ -672,6 +683,7 @@ def test_a_drafters_lineage_adds_up_its_legs_through_warm_starts_resumes_and_exp
     assert totals["gpu_hours"] == 0 and totals["last_leg"]["run"] == str(tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     from dspark.training.trainer import train
 
@@ -708,6 +720,7 @@ def test_killed_run_resumed_equals_uninterrupted(tiny_run, tmp_path):
     assert all(torch.equal(oa[k], ob[k]) for k in oa if k.startswith("state."))
 
 
+@pytest.mark.slow
 def test_max_minutes_fits_the_schedule_to_the_time_the_first_steps_took(tiny_run, tmp_path, monkeypatch):
     """Each training step takes 0.5 s on a fake clock; --max-minutes 0.1 (6 s) leaves, after 10 steps (5 s), room
     for 2 more: the schedule ends at 12 of the 1,000 asked, its learning rate reaches the end of its cosine, and the
@@ -732,6 +745,7 @@ def test_max_minutes_fits_the_schedule_to_the_time_the_first_steps_took(tiny_run
     assert saved["max_steps"] == 12
 
 
+@pytest.mark.slow
 def test_max_minutes_fits_again_once_the_warm_up_steps_are_past(tiny_run, tmp_path, monkeypatch):
     """As on the H200: the first 20 steps take 1 s each, the rest 0.25 s (fake clock). The fit after 10 steps sees
     only slow steps (60 fit a minute); the refit after 40, from steps 21-40, lengthens the schedule to the 180 steps
@@ -842,6 +856,7 @@ def test_periodic_real_decoding_evaluation_logs_what_the_engine_measures(tiny_ru
     assert (tmp_path / "curve.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_held_out_tau_is_split_by_prompt_source(tiny_run):
     from conftest import tiny_drafter
     from dspark.target import Target
@@ -881,6 +896,7 @@ def test_evaluation_slice_reaches_every_file_of_a_concatenated_mix():
     assert spread_slice(held[:10], 64) == held[:10]
 
 
+@pytest.mark.slow
 def test_trained_checkpoint_decodes_losslessly(tiny_run, tmp_path):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
@@ -917,6 +933,7 @@ def test_online_q_scores_repeated_positions_once_and_answers_each_pair(target, m
         assert torch.equal(q.ids[i], alone.ids[0])
 
 
+@pytest.mark.slow
 def test_dflash_preset_has_no_heads_and_feature_cache_matches_online(tiny_run, tmp_path):
     from dspark.drafter import load_drafter
     from dspark.target import Target

@@ -38,6 +38,11 @@ def _umask() -> int:
     return mask
 
 
+def make_public(path: str | Path) -> None:
+    """A file written privately (mkstemp, some libraries' writers) gets the modes of ordinary ones."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _public(folder: Path) -> None:
     """mkdtemp/mkstemp create private files; give the finished output the modes of ordinary ones."""
     mask = _umask()

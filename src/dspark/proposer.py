@@ -19,6 +19,7 @@ class Proposal:
     tokens: torch.Tensor  # [B, γ] draft tokens, target ids
     probs: torch.Tensor | None  # [B, γ, V] the exact distributions they were sampled from (None when greedy)
     confidence_logits: torch.Tensor | None  # [B, γ] logit of c_k (None without a confidence head)
+    lengths: torch.Tensor | None = None  # [B] drafts each row has, at most γ (None: all γ); the rest is padding
 
 
 class ProposerCache(Protocol):

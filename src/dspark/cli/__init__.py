@@ -22,6 +22,7 @@ COMMANDS = (
     "regenerate",
     "train",
     "calibrate",
+    "suffix_index",
     "profile",
     "bench",
 )

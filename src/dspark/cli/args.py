@@ -213,6 +213,28 @@ def build_policy(args, target=None, drafter_path=None, batch_sizes: tuple[int, .
     return FixedLength(args.verify_length)
 
 
+def add_suffix_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--suffix",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="draft with suffix decoding beside the drafter, per round and row whichever is worth verifying "
+        "(default: on where the drafter ships an answer index for it; --drafter suffix: suffix decoding alone)",
+    )
+
+
+def speculative_engine(args, target, batch_sizes: tuple[int, ...] = (1,)):
+    """The engine for --drafter (beside suffix decoding where --suffix says so) and the verification flags."""
+    from dspark.decoding.engine import SpeculativeEngine
+    from dspark.drafter import load_proposer, model_drafter
+
+    proposer = load_proposer(args.drafter, target, args.suffix, getattr(args, "isolate_requests", False))
+    policy = build_policy(args, target, args.drafter, batch_sizes, drafter=model_drafter(proposer))
+    if hasattr(proposer, "temperatures"):  # the hybrid states the tree's survival in the policy's terms
+        proposer.temperatures = getattr(policy, "temperatures", None)
+    return SpeculativeEngine(target, proposer, policy)
+
+
 def add_policy_args(p: argparse.ArgumentParser) -> None:
     """One way to choose verification lengths per command: the flags of the others are refused beside it."""
     g = p.add_mutually_exclusive_group()
@@ -284,9 +306,11 @@ def check_given_files(args, names) -> None:
 
 
 def check_drafter_arg(path) -> None:
-    """A --drafter that is not a checkpoint (or ngram:DATA file) is refused before the target loads."""
-    from dspark.drafter import NGRAM_PREFIX, read_checkpoint_meta
+    """A --drafter that is not a checkpoint (or ngram:DATA file, or suffix) is refused before the target loads."""
+    from dspark.drafter import NGRAM_PREFIX, SUFFIX_SPEC, read_checkpoint_meta
 
+    if path and str(path) == SUFFIX_SPEC:
+        return
     if path and str(path).startswith(NGRAM_PREFIX):
         if not Path(str(path)[len(NGRAM_PREFIX) :]).is_file():
             raise DSparkError(f"--drafter {path}: no data file there (ngram:DATA wants regenerated JSONL)")
@@ -296,9 +320,9 @@ def check_drafter_arg(path) -> None:
 
 def drafter_block_size(path) -> int | None:
     """The drafts per block of a drafter checkpoint (None for other proposers, which are not calibrated)."""
-    from dspark.drafter import NGRAM_PREFIX, read_checkpoint_meta
+    from dspark.drafter import NGRAM_PREFIX, SUFFIX_SPEC, read_checkpoint_meta
 
-    if not path or str(path).startswith(NGRAM_PREFIX):
+    if not path or str(path).startswith(NGRAM_PREFIX) or str(path) == SUFFIX_SPEC:
         return None
     block = read_checkpoint_meta(path)["drafter"].get("block_size")
     return block if isinstance(block, int) else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dspark.cli.args import (
     add_compile_arg,
+    add_suffix_arg,
     add_target_args,
     check_drafter_arg,
     check_given_files,
@@ -23,6 +24,7 @@ def register(sub) -> None:
     p.add_argument("--per-set", type=positive_int, default=1)
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--fixed", action="store_true", help="verify all γ draft tokens every round (no scheduler)")
+    add_suffix_arg(p)
     p.add_argument(
         "--cost-table",
         help="cost table JSON (`dspark profile`) for the scheduler instead of this machine's (profiled once, cached)",
@@ -36,7 +38,7 @@ def run(args) -> int:
     from dspark.assets import shipped_drafter
     from dspark.bench.demo import run_demo
     from dspark.decoding.policy import FixedLength
-    from dspark.drafter import load_drafter
+    from dspark.drafter import load_proposer, model_drafter
     from dspark.scheduling.planner import build_scheduler
 
     if args.fixed and args.cost_table:
@@ -45,12 +47,15 @@ def run(args) -> int:
     check_drafter_arg(drafter_path)
     check_given_files(args, ("cost_table",))
     target = load_target(args)
-    drafter = load_drafter(drafter_path, target)
+    drafter = load_proposer(drafter_path, target, args.suffix)
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
-        policy = build_scheduler(target, drafter_path, args.cost_table, drafter=drafter)
+        policy = build_scheduler(target, drafter_path, args.cost_table, drafter=model_drafter(drafter))
+        if hasattr(drafter, "temperatures"):  # the hybrid states the tree's survival in the scheduler's terms
+            drafter.temperatures = policy.temperatures
+    suffix = ", with suffix decoding" if drafter is not model_drafter(drafter) else ""
     print(
-        f"target {args.model} ({args.dtype}), drafter {drafter_path}, greedy, γ={drafter.block_size}, "
+        f"target {args.model} ({args.dtype}), drafter {drafter_path}{suffix}, greedy, γ={drafter.block_size}, "
         f"verification: {policy.describe()}, max {args.max_new_tokens} new tokens\n"
     )
     rows = run_demo(target, drafter, args.datasets, args.per_set, args.max_new_tokens, policy)

@@ -9,12 +9,13 @@ from dspark.cli.args import (
     add_compile_arg,
     add_policy_args,
     add_sampling_args,
+    add_suffix_arg,
     add_target_args,
-    build_policy,
     check_policy_args,
     load_target,
     positive_int,
     sampling_from,
+    speculative_engine,
     why_outputs_differ,
 )
 from dspark.errors import DSparkError
@@ -31,6 +32,7 @@ def register(sub) -> None:
         "--drafter", help="drafter checkpoint folder (or ngram:DATA, the n-gram floor): decode speculatively"
     )
     add_policy_args(p)
+    add_suffix_arg(p)
     p.add_argument("--compare-plain", action="store_true", help="also run plain decoding; report speed-up and identity")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.set_defaults(func=run)
@@ -53,11 +55,7 @@ def run(args) -> int:
 
     engine = None
     if args.drafter:
-        from dspark.decoding.engine import SpeculativeEngine
-        from dspark.drafter import load_proposer
-
-        drafter = load_proposer(args.drafter, target)
-        engine = SpeculativeEngine(target, drafter, build_policy(args, target, args.drafter, drafter=drafter))
+        engine = speculative_engine(args, target)
         result = engine.generate([prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
     else:
         result = generate_plain(target, [prompt], args.max_new_tokens, sampling, on_tokens=stream)[0]
@@ -74,6 +72,9 @@ def run(args) -> int:
     if result.stats is not None:
         s = result.stats.to_dict()
         report.update(tau=s["tau"], accept_by_position=s["accept_by_position"], rounds=s["rounds"], spec_stats=s)
+        sources = getattr(engine.drafter if engine else None, "rows_by_source", None)
+        if sources is not None:  # the hybrid: rounds drafted by each source
+            report["drafted_rounds_by_source"] = dict(sources)
     if args.compare_plain:
         plain = generate_plain(target, [prompt], args.max_new_tokens, sampling)[0]
         report.update(

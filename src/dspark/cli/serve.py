@@ -6,14 +6,15 @@ import sys
 
 from dspark.cli.args import (
     add_policy_args,
+    add_suffix_arg,
     add_target_args,
-    build_policy,
     check_policy_args,
     keep_a_core_for_serving,
     load_target,
     nonnegative_float,
     port_number,
     positive_int,
+    speculative_engine,
 )
 
 
@@ -22,6 +23,13 @@ def register(sub) -> None:
     add_target_args(p)
     p.add_argument("--drafter", help="drafter checkpoint: decode speculatively (default: plain decoding)")
     add_policy_args(p)
+    add_suffix_arg(p)
+    p.add_argument(
+        "--isolate-requests",
+        action="store_true",
+        help="suffix decoding: served answers never join the shared tree, so one client's text cannot speed up (and "
+        "so, by timing, reveal itself to) another's",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: this machine only)")
     p.add_argument("--port", type=port_number, default=8000)
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $DSPARK_API_KEY, else none)")
@@ -45,7 +53,6 @@ def run(args) -> int:
     import os
 
     from dspark.decoding.engine import SpeculativeEngine
-    from dspark.drafter import load_proposer
     from dspark.scheduling.profile import batch_sizes_up_to
     from dspark.serve.app import ServeConfig, create_app
     from dspark.serve.local import DrainingServer, server_config
@@ -62,11 +69,10 @@ def run(args) -> int:
     )
     keep_a_core_for_serving(args)
     target = load_target(args)
-    drafter = load_proposer(args.drafter, target) if args.drafter else None
     # The scheduler plans with the cost of the batch shapes this server runs: rows up to --max-batch.
     shapes = batch_sizes_up_to(args.max_batch)
-    policy = build_policy(args, target, args.drafter, batch_sizes=shapes, drafter=drafter) if drafter else None
-    engine = SpeculativeEngine(target, drafter, policy)
+    engine = speculative_engine(args, target, shapes) if args.drafter else SpeculativeEngine(target)
+    drafter = engine.drafter
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"dspark: serving on {args.host}, reachable from other machines"

@@ -151,6 +151,8 @@ class SpeculativeEngine:
             # Never verify past max_new_tokens: those tokens would be cut anyway.
             room = torch.tensor([r.request.max_new_tokens - len(r.request.output) - 1 for r in rows], device=device)
             ell = torch.minimum(ell, room.clamp_min(0))
+            if proposal.lengths is not None:  # nor past the drafts a row has
+                ell = torch.minimum(ell, proposal.lengths)
 
         t1 = time.perf_counter()
         drafts = proposal.tokens if proposal is not None else anchors.new_zeros(len(rows), 0)

@@ -4,9 +4,11 @@ from dspark.drafter.config import DSparkConfig
 from dspark.drafter.model import DraftCache, DSparkDrafter
 from dspark.drafter.registry import (
     NGRAM_PREFIX,
+    SUFFIX_SPEC,
     lineage,
     load_drafter,
     load_proposer,
+    model_drafter,
     new_drafter,
     port_to_qwen3,
     read_checkpoint_meta,
@@ -15,12 +17,14 @@ from dspark.drafter.registry import (
 
 __all__ = [
     "NGRAM_PREFIX",
+    "SUFFIX_SPEC",
     "DSparkConfig",
     "DSparkDrafter",
     "DraftCache",
     "lineage",
     "load_drafter",
     "load_proposer",
+    "model_drafter",
     "new_drafter",
     "port_to_qwen3",
     "read_checkpoint_meta",

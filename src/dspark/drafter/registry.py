@@ -184,10 +184,35 @@ def load_checked_state(drafter, state: dict, where: str) -> None:
 NGRAM_PREFIX = "ngram:"  # --drafter ngram:DATA builds the n-gram proposer from regenerated data
 
 
-def load_proposer(spec: str | Path, target):
-    """A drafter checkpoint folder, or `ngram:DATA` for the n-gram proposer built from a regenerated data file."""
+SUFFIX_SPEC = "suffix"  # --drafter suffix: suffix decoding alone, no model
+
+
+def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate: bool = False):
+    """A drafter checkpoint folder, `ngram:DATA` for the n-gram proposer built from a regenerated data file, or
+    `suffix` for suffix decoding alone. A checkpoint drafts beside suffix decoding (drafter.hybrid) where `suffix`
+    says so, or by default (None) where it ships an answer index and the suffix trees are installed; the global tree
+    is filled from that index. isolate: served answers never join the global tree."""
+    from dspark.drafter.suffix import ANSWER_INDEX, SuffixProposer, read_answer_index, suffix_trees_available
+
     if str(spec).startswith(NGRAM_PREFIX):
         from dspark.drafter.ngram import NgramProposer
 
         return NgramProposer.from_data(str(spec)[len(NGRAM_PREFIX) :], target)
-    return load_drafter(spec, target)
+    if str(spec) == SUFFIX_SPEC:
+        return SuffixProposer(target.vocab_size, isolate=isolate)
+    drafter = load_drafter(spec, target)
+    index = Path(spec) / ANSWER_INDEX
+    if suffix is None:
+        suffix = index.is_file() and suffix_trees_available()
+    if not suffix:
+        return drafter
+    from dspark.drafter.hybrid import MIN_MATCH, HybridProposer
+
+    answers = read_answer_index(index) if index.is_file() else []
+    tree = SuffixProposer(target.vocab_size, drafter.block_size, answers, isolate=isolate, min_match=MIN_MATCH)
+    return HybridProposer(drafter, tree)
+
+
+def model_drafter(proposer):
+    """The model a proposer runs (the hybrid's drafter; the proposer itself otherwise): what a cost table times."""
+    return getattr(proposer, "drafter", proposer)

@@ -236,10 +236,11 @@ def profile_target(
             dcache = drafter.new_cache(batch)
             drafter.extend_context(dcache, out.features, lengths, ids[:, 1 : context + 1])
             two = torch.full((batch,), 2)
+            last_two = out.features[:, -2:] if out.features is not None else None  # none: a proposer of tokens only
 
             def round_share():
                 drafter.propose(dcache, ids[:, context], SamplingParams())
-                drafter.extend_context(dcache, out.features[:, -2:], two, ids[:, context - 1 : context + 1])
+                drafter.extend_context(dcache, last_two, two, ids[:, context - 1 : context + 1])
 
             runs["draft"] = round_share
         measured = interleaved_median_ms(runs, repeats)
