@@ -494,6 +494,7 @@ def test_a_prompt_longer_than_the_context_window_is_refused():
         (["serve", "--port", "70000"], "a TCP port is 1 to 65535"),
         (["serve", "--drain-seconds", "-5"], "must be a number >= 0"),
         (["prompts", "--out", "p.jsonl", "--mix", "math=0"], "at least one share must be above 0"),
+        (["demo", "--datasets", "no-such-set"], "no-such-set"),
     ],
 )
 def test_bad_arguments_exit_2_before_loading(args, message, capsys):

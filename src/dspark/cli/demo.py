@@ -35,7 +35,7 @@ def register(sub) -> None:
 def run(args) -> int:
     import textwrap
 
-    from dspark.assets import shipped_drafter
+    from dspark.assets import eval_path, shipped_drafter
     from dspark.bench.demo import run_demo
     from dspark.decoding.policy import FixedLength
     from dspark.drafter import load_proposer, model_drafter
@@ -46,6 +46,8 @@ def run(args) -> int:
     drafter_path = args.drafter or shipped_drafter(args.model)
     check_drafter_arg(drafter_path)
     check_given_files(args, ("cost_table",))
+    for name in args.datasets:  # an unknown evaluation set is refused before the model loads
+        eval_path(name)
     target = load_target(args)
     drafter = load_proposer(drafter_path, target, args.suffix)
     policy = FixedLength()
