@@ -86,6 +86,7 @@ def test_report_sections_and_plots(bench_run):
     assert "| 2 | 150 | 8 | 1.5 | – |" in text  # the drafter's legs, tokens, steps, core-hours, GPU-hours
 
 
+@pytest.mark.slow
 def test_bad_drafter_argument_exits_with_a_clear_error():
     proc = subprocess.run(
         [sys.executable, "-m", "dspark.cli", "bench", "speed", "--drafter", "nolabel"], capture_output=True, text=True

@@ -89,6 +89,7 @@ def test_bad_input_exits_2_with_a_clear_message(args, message):
     assert proc.returncode == 2 and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_models_lists_the_default_target(real_target):
     proc = dspark("models", "--json")
     assert proc.returncode == 0

@@ -506,6 +506,7 @@ def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
     assert invariance_failures(compiled_tiny, prompt_len=58, ragged=False) == []
 
 
+@pytest.mark.slow
 def test_compiled_speculative_output_is_plain_output(compiled_tiny):
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.decoding.plain import generate_plain
@@ -533,6 +534,7 @@ def test_compiling_keeps_a_float16_head_the_machine_chose_and_else_rescores(monk
     assert isinstance(head, Float16Weight if float16_head else RescoredHead)
 
 
+@pytest.mark.slow
 def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(compiled_tiny):
     eager = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
     ids = torch.tensor([[3, 14, 15, 92, 65, 35, 89]])
@@ -548,6 +550,7 @@ def test_a_compiled_target_stays_close_to_the_eager_one_and_refuses_batches(comp
         compiled_tiny.forward(two, ids[:, :2].expand(2, -1))
 
 
+@pytest.mark.slow
 def test_the_compiled_step_checks_its_inputs_and_fixes_its_weights(compiled_tiny):
     from types import SimpleNamespace
 
