@@ -25,7 +25,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        make_public(tmp)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -147,9 +147,12 @@ def _files_not_ours(folder: Path) -> list[str]:
         listed = set(json.loads((folder / OUTPUT_MANIFEST).read_text(encoding="utf-8"))["files"])
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
-    # A link is never ours (we write none): replacing the folder would delete the user's link.
-    links = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_symlink())
-    present = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir() and not p.is_symlink())
+    links, present = [], []
+    for p in sorted(folder.rglob("*")):
+        if p.is_symlink():  # never ours (we write none): replacing the folder would delete the user's link
+            links.append(str(p.relative_to(folder)))
+        elif not p.is_dir():
+            present.append(str(p.relative_to(folder)))
     return links + [name for name in present if name != OUTPUT_MANIFEST and name not in listed]
 
 

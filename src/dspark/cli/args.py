@@ -230,9 +230,14 @@ def speculative_engine(args, target, batch_sizes: tuple[int, ...] = (1,)):
 
     proposer = load_proposer(args.drafter, target, args.suffix, getattr(args, "isolate_requests", False))
     policy = build_policy(args, target, args.drafter, batch_sizes, drafter=model_drafter(proposer))
-    if hasattr(proposer, "temperatures"):  # the hybrid states the tree's survival in the policy's terms
+    return SpeculativeEngine(target, attuned(proposer, policy), policy)
+
+
+def attuned(proposer, policy):
+    """The proposer, told the policy's STS temperatures where it states survival in their terms (the hybrid)."""
+    if hasattr(proposer, "temperatures"):
         proposer.temperatures = getattr(policy, "temperatures", None)
-    return SpeculativeEngine(target, proposer, policy)
+    return proposer
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:

@@ -6,6 +6,7 @@ from dspark.cli.args import (
     add_compile_arg,
     add_suffix_arg,
     add_target_args,
+    attuned,
     check_drafter_arg,
     check_given_files,
     load_target,
@@ -53,8 +54,7 @@ def run(args) -> int:
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
         policy = build_scheduler(target, drafter_path, args.cost_table, drafter=model_drafter(drafter))
-        if hasattr(drafter, "temperatures"):  # the hybrid states the tree's survival in the scheduler's terms
-            drafter.temperatures = policy.temperatures
+        attuned(drafter, policy)
     suffix = ", with suffix decoding" if drafter is not model_drafter(drafter) else ""
     print(
         f"target {args.model} ({args.dtype}), drafter {drafter_path}{suffix}, greedy, γ={drafter.block_size}, "

@@ -117,13 +117,13 @@ class SuffixProposer:
         first token) goes to the row's own tree, the first output token to the answers."""
         for b, n in enumerate(num_new.tolist()):
             tokens, key = next_ids[b, :n].tolist(), cache.keys[b]
+            cache.histories[b] += tokens
             if key not in self.trees.active_requests:
                 self.trees.start_request(key, tokens[:-1])
                 if self.isolate:  # its answer never enters the global tree
                     self.trees.evict_cached_response(key)
                 tokens = tokens[-1:]
             self.trees.add_active_response(key, tokens)
-            cache.histories[b] += next_ids[b, :n].tolist()
 
     def propose(self, cache: SuffixCache, anchor_ids: torch.Tensor, sampling: Sampling, generators=None) -> Proposal:
         gamma, rows = self.block_size, len(cache.keys)

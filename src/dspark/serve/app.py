@@ -197,53 +197,8 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
     app.state.engine_loop, app.state.metrics, app.state.begin_shutdown = loop_, metrics, begin_shutdown
     app.state.in_flight, app.state.drain_seconds = loop_.load, config.drain_seconds
 
-    @app.exception_handler(ApiError)
-    async def api_error(_request, e: ApiError):
-        return e.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, e: RequestValidationError):
-        return validation_error(e.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request, e: StarletteHTTPException):
-        message = e.detail if isinstance(e.detail, str) else "bad request"
-        if e.status_code == 400 and "parsing the body" in message:
-            message = "the request body is not valid JSON (or is not UTF-8, or nests too deeply)"
-        return ApiError(
-            e.status_code, message, "invalid_request_error" if e.status_code < 500 else "server_error"
-        ).response()
-
-    @app.exception_handler(Exception)
-    async def unexpected(_request, e: Exception):  # the last line of defence: still the OpenAI shape
-        return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
-
-    # Middleware added last runs first: the guard refuses a client without the key (or with a body too large)
-    # before WholeBody reads any of its body.
-    app.add_middleware(WholeBody, seconds=config.body_timeout_seconds, limit=config.max_body_bytes)
-
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
-            if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
-                return ApiError(
-                    401,
-                    "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                    "authentication_error",
-                    "invalid_api_key",
-                ).response()
-            size = request.headers.get("content-length")
-            if request.method == "POST" and size is None:  # a body of unknown length could be any size
-                return ApiError(
-                    411, "send the request body with a Content-Length header", code="length_required"
-                ).response()
-            if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
-                return ApiError(
-                    413,
-                    f"request body of {size} bytes is over the limit of {config.max_body_bytes}",
-                    code="request_too_large",
-                ).response()
-        return await call_next(request)
+    answer_errors_in_openai_shape(app)
+    guard_requests(app, config)
 
     @app.get("/health")
     async def health():
@@ -285,6 +240,62 @@ def create_app(engine, tokenizer, config: ServeConfig) -> FastAPI:
         return await completions.respond(body, prompt_ids(engine.target, body.prompt), False, body.logprobs)
 
     return app
+
+
+def answer_errors_in_openai_shape(app: FastAPI) -> None:
+    """Every error, whatever raised it, as OpenAI-style JSON with the status a client expects."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, e: RequestValidationError):
+        return validation_error(e.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request, e: StarletteHTTPException):
+        message = e.detail if isinstance(e.detail, str) else "bad request"
+        if e.status_code == 400 and "parsing the body" in message:
+            message = "the request body is not valid JSON (or is not UTF-8, or nests too deeply)"
+        return ApiError(
+            e.status_code, message, "invalid_request_error" if e.status_code < 500 else "server_error"
+        ).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_request, e: Exception):  # the last line of defence: still the OpenAI shape
+        return ApiError(500, f"internal error: {type(e).__name__}", "server_error").response()
+
+
+def guard_requests(app: FastAPI, config: ServeConfig) -> None:
+    """The API key, Content-Length and body limits, checked before the app reads a body."""
+
+    # Middleware added last runs first: the guard refuses a client without the key (or with a body too large)
+    # before WholeBody reads any of its body.
+    app.add_middleware(WholeBody, seconds=config.body_timeout_seconds, limit=config.max_body_bytes)
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        if request.url.path.startswith("/v1/"):
+            if config.api_key and request.headers.get("authorization") != f"Bearer {config.api_key}":
+                return ApiError(
+                    401,
+                    "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                    "authentication_error",
+                    "invalid_api_key",
+                ).response()
+            size = request.headers.get("content-length")
+            if request.method == "POST" and size is None:  # a body of unknown length could be any size
+                return ApiError(
+                    411, "send the request body with a Content-Length header", code="length_required"
+                ).response()
+            if size is not None and size.isdigit() and int(size) > config.max_body_bytes:
+                return ApiError(
+                    413,
+                    f"request body of {size} bytes is over the limit of {config.max_body_bytes}",
+                    code="request_too_large",
+                ).response()
+        return await call_next(request)
 
 
 def prompt_ids(target, prompt: str | list) -> list[list[int]]:
