@@ -13,6 +13,7 @@ from dspark.decoding import verify
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.decoding.policy import ConfidenceThreshold, FixedLength
+from dspark.errors import DSparkError
 from dspark.sampling import SamplingParams
 
 
@@ -101,6 +102,26 @@ def test_stop_token_inside_an_accepted_block_stops_exactly_there():
     assert result.stats.tau > 4  # the oracle's blocks were accepted whole, so the stop fell inside one
 
 
+@pytest.mark.parametrize("policy", ["fixed", "threshold", "scheduler", "production"])
+def test_min_tokens_holds_stops_back_in_plain_and_speculative_decoding_alike(policy):
+    """No stop token before min_tokens (vLLM's `min_tokens`): the target's next choice there instead, the same in
+    plain and speculative decoding, in a ragged batch."""
+    target = tiny_target(eos=7, seed=1)
+    prompts = prompts_for(target, [6, 1, 13, 4, 9], seed=1)
+    free = [r.token_ids for r in generate_plain(target, prompts, 40, stop_token_ids=set())]
+    stop = {free[0][3], free[2][5]}  # tokens the target emits early
+    early = [r.token_ids for r in generate_plain(target, prompts, 40, stop_token_ids=stop)]
+    held = [r.token_ids for r in generate_plain(target, prompts, 40, stop_token_ids=stop, min_tokens=12)]
+    assert any(len(e) < 12 for e in early) and all(len(h) >= 12 for h in held)
+    assert all(not stop & set(h[:11]) for h in held)
+    assert all(h[: len(e) - 1] == e[:-1] for h, e in zip(held, early) if len(e) < 12)  # the same up to the stop
+    oracle = NoisyOracle(target, prompts, block_size=4, noise=0.25, seed=1)
+    engine = SpeculativeEngine(target, oracle, oracle_policies(len(prompts))[policy])
+    assert [r.token_ids for r in engine.generate(prompts, 40, stop_token_ids=stop, min_tokens=12)] == held
+    with pytest.raises(DSparkError, match="min_tokens must be between 0 and"):
+        engine.generate(prompts, 8, min_tokens=9)
+
+
 @pytest.mark.parametrize("limit", [1, 2, 7, 8, 23])
 def test_max_new_tokens_exact(limit):
     target = tiny_target(eos=7)
@@ -111,20 +132,23 @@ def test_max_new_tokens_exact(limit):
     assert result.token_ids == free[:limit] and result.finish_reason == "length"
 
 
-def exact_distribution(target, prompt, length, params):
-    """P(continuation) for every continuation of `length` tokens, by enumeration over a tiny vocabulary."""
+def exact_distribution(target, prompt, length, params, banned=()):
+    """P(continuation) for every continuation of `length` tokens, by enumeration over a tiny vocabulary (tokens in
+    `banned` never drawn)."""
     from dspark.sampling import logits_to_probs
 
     vocab = target.vocab_size
     seqs = torch.tensor(list(itertools.product(range(vocab), repeat=length)))
     full = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], dim=1)
-    probs = logits_to_probs(target.forward_sequences(full).logits[:, len(prompt) - 1 : -1], params)
+    logits = target.forward_sequences(full).logits[:, len(prompt) - 1 : -1]
+    logits[..., list(banned)] = float("-inf")
+    probs = logits_to_probs(logits, params)
     return seqs, probs.gather(2, seqs[..., None]).squeeze(-1).prod(dim=1)
 
 
-def sampled_counts(target, drafter, prompt, length, params, n):
+def sampled_counts(target, drafter, prompt, length, params, n, stops=frozenset()):
     engine = SpeculativeEngine(target, drafter)
-    results = engine.generate([prompt] * n, length, params, stop_token_ids=set())
+    results = engine.generate([prompt] * n, length, params, stop_token_ids=set(stops), min_tokens=length * bool(stops))
     counts = {}
     for r in results:
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
@@ -171,6 +195,21 @@ def test_sampling_distribution_equals_target(params):
     counts, results = sampled_counts(target, drafter, prompt, 4, params, n)
     accepted = sum(r.stats.tokens - r.stats.rounds for r in results)
     assert accepted > 0.1 * n  # drafts were accepted: the test exercises acceptance, residual and bonus
+    assert chi_square_p(seqs, probs, counts, n) > 1e-3
+
+
+def test_min_tokens_keeps_sampling_on_the_targets_distribution():
+    """Stop tokens held back for the whole output: the target's distribution without them, position by position."""
+    params = SAMPLING_CASES[0]
+    target = peaked_target()
+    drafter = tiny_drafter(target, block_size=3, markov_rank=4)
+    prompt, stop = [1, 2, 3], 1  # a token the target likes after this prompt
+    seqs, probs = exact_distribution(target, prompt, 4, params, banned=[stop])
+    plain = exact_distribution(target, prompt, 4, params)[1]
+    assert plain[(seqs == stop).any(dim=1)].sum() > 0.2  # without min_tokens, a stop would often come
+    n = 4000
+    counts, results = sampled_counts(target, drafter, prompt, 4, params, n, stops={stop})
+    assert sum(r.stats.tokens - r.stats.rounds for r in results) > 0.1 * n
     assert chi_square_p(seqs, probs, counts, n) > 1e-3
 
 

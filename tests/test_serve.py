@@ -728,7 +728,7 @@ def sse_events(response) -> list[dict]:
 
 
 def test_the_request_shapes_real_clients_send(tiny):
-    """Content as text parts, prompts as lists of strings or token ids, ignore_eos, min_tokens at its neutral value,
+    """Content as text parts, prompts as lists of strings or token ids, ignore_eos, min_tokens,
     and the usage options: each answered 200 and with what the plain shape gives; what cannot be honoured is refused
     by name."""
     target, drafter = tiny
@@ -752,8 +752,21 @@ def test_the_request_shapes_real_clients_send(tiny):
         image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
         refusal = post("/v1/chat/completions", messages=image, max_tokens=4)
         assert refusal.status_code == 400 and "'image_url' is not supported" in refusal.json()["error"]["message"]
-        refusal = post("/v1/chat/completions", messages=messages, max_tokens=4, min_tokens=3)
+        refusal = post("/v1/chat/completions", messages=messages, max_tokens=4, min_tokens=5)
         assert refusal.status_code == 400 and "min_tokens" in refusal.json()["error"]["message"]
+        # min_tokens: the reply that stopped early goes on, through the stop token it would have ended with
+        short = post("/v1/completions", prompt=words(2, start=19), max_tokens=60).json()  # stops after 16 tokens
+        n = short["usage"]["completion_tokens"]
+        assert short["choices"][0]["finish_reason"] == "stop" and n < 50, short
+        held = post("/v1/completions", prompt=words(2, start=19), max_tokens=60, min_tokens=n + 5).json()
+        assert held["usage"]["completion_tokens"] >= n + 5
+        assert held["choices"][0]["text"].startswith(short["choices"][0]["text"])
+        # and a stop string is looked for only after the text of the first min_tokens tokens
+        text = post("/v1/completions", prompt=words(6), max_tokens=20).json()["choices"][0]["text"]
+        stop = " " + text.split()[2] + " "
+        cut = post("/v1/completions", prompt=words(6), max_tokens=20, stop=stop).json()["choices"][0]["text"]
+        late = post("/v1/completions", prompt=words(6), max_tokens=20, stop=stop, min_tokens=20).json()
+        assert len(cut) < len(text) and late["choices"][0]["text"] == text
 
         # prompts: a list of strings is one choice per prompt, token ids are read as they are
         prompts = [words(4), words(5, start=20), words(3, start=9)]

@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dspark.decoding.policy import FixedLength, VerifyPolicy
-from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts, token_logprobs
+from dspark.decoding.requests import (
+    GenerationResult,
+    RequestState,
+    pad_prompts,
+    token_logprobs,
+    without_early_stops,
+)
 from dspark.decoding.stats import SpecStats
 from dspark.decoding.verify import verify_greedy, verify_sampling
 from dspark.kvcache import KVCache
@@ -87,7 +93,9 @@ class SpeculativeEngine:
         start = time.perf_counter()
         joining = self.new_batch(len(requests))
         logits = self._prefill(
-            joining, [r.prompt for r in requests], lambda last: next_token(last, sampling, generators)
+            joining,
+            [r.prompt for r in requests],
+            lambda last: next_token(without_early_stops(last[:, None], requests)[:, 0], sampling, generators),
         )
         now = time.perf_counter()
         for request, params, gen in zip(requests, sampling, generators):
@@ -159,11 +167,12 @@ class SpeculativeEngine:
         width = int(ell.max()) + 1
         verify_ids = torch.cat([anchors[:, None], drafts], dim=1)[:, :width]
         out = target.forward(batch.tcache, verify_ids, ell + 1, features=self.layer_ids)
+        logits = without_early_stops(out.logits, [r.request for r in rows])
         if all_greedy(sampling):
-            accepted, batch.anchors = verify_greedy(out.logits, drafts, ell)
+            accepted, batch.anchors = verify_greedy(logits, drafts, ell)
         else:
             probs = proposal.probs if proposal is not None else None
-            accepted, batch.anchors = verify_sampling(out.logits, probs, drafts, ell, sampling, gens)
+            accepted, batch.anchors = verify_sampling(logits, probs, drafts, ell, sampling, gens)
         # Keep [x0, x1..x_a] in the target's cache; the drafter's context grows by the same tokens' features.
         batch.tcache.rollback(batch.tcache.lengths - (ell + 1) + (accepted + 1))
         t2 = time.perf_counter()
@@ -228,11 +237,16 @@ class SpeculativeEngine:
         stop_token_ids: set[int] | None = None,
         on_tokens=None,
         on_round=None,
+        min_tokens: int = 0,
     ) -> list[GenerationResult]:
-        """Decode every prompt to its end. on_tokens(request, tokens) streams output; on_round(request,
-        confidence_logits, verified, accepted) sees every round (calibration records them)."""
+        """Decode every prompt to its end (no stop token before min_tokens). on_tokens(request, tokens) streams
+        output; on_round(request, confidence_logits, verified, accepted) sees every round (calibration records
+        them)."""
         stop = self.target.stop_token_ids if stop_token_ids is None else stop_token_ids
-        requests = [RequestState(i, p, max_new_tokens, stop, self.target.context_window) for i, p in enumerate(prompts)]
+        window = self.target.context_window
+        requests = [
+            RequestState(i, p, max_new_tokens, stop, window, min_tokens=min_tokens) for i, p in enumerate(prompts)
+        ]
         batch = self.new_batch()
         self.admit(batch, requests, [sampling] * len(requests), sampling.generators(len(requests)), on_tokens)
         finished = {}

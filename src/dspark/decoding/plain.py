@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import torch
 
-from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts
+from dspark.decoding.requests import GenerationResult, RequestState, pad_prompts, without_early_stops
 from dspark.sampling import SamplingParams, next_token
 from dspark.target import Target
 
@@ -26,8 +26,10 @@ def stream_plain(
     sampling: SamplingParams = SamplingParams(),
     stop_token_ids: set[int] | None = None,
     on_tokens=None,
+    min_tokens: int = 0,
 ) -> Iterator[tuple[object, GenerationResult]]:
-    """Decode (key, prompt_ids) items popped from `queue`; yields (key, result) as each finishes.
+    """Decode (key, prompt_ids) items popped from `queue` (no stop token before min_tokens); yields (key, result)
+    as each finishes.
 
     The caller may append to `queue` between yields (e.g. the next turn of a conversation)."""
     stop = target.stop_token_ids if stop_token_ids is None else stop_token_ids
@@ -53,7 +55,7 @@ def stream_plain(
         if admit:
             batch = [queue.popleft() for _ in range(min(max_batch - len(rows), len(queue)))]
             states = [
-                RequestState(admitted + i, prompt, max_new_tokens, stop, target.context_window)
+                RequestState(admitted + i, prompt, max_new_tokens, stop, target.context_window, min_tokens=min_tokens)
                 for i, (_, prompt) in enumerate(batch)
             ]
             gens = SamplingParams(seed=None if sampling.seed is None else sampling.seed + admitted).generators(
@@ -69,7 +71,8 @@ def stream_plain(
             last = torch.cat([last, logits])
             rows += [(key, state, g, started) for (key, _), state, g in zip(batch, states, gens)]
 
-        tokens = next_token(last, sampling, [g for _, _, g, _ in rows]).tolist()
+        allowed = without_early_stops(last[:, None], [state for _, state, _, _ in rows])[:, 0]
+        tokens = next_token(allowed, sampling, [g for _, _, g, _ in rows]).tolist()
         for (key, state, _, started), tok in zip(rows, tokens):
             if state.finished:
                 continue
@@ -91,12 +94,13 @@ def generate_plain(
     stop_token_ids: set[int] | None = None,
     on_tokens=None,
     max_batch: int | None = None,
+    min_tokens: int = 0,
 ) -> list[GenerationResult]:
-    """Decode every prompt, one token per target forward; results in prompt order."""
-    for i, p in enumerate(prompts):
-        RequestState(i, p, max_new_tokens, set(), target.context_window)  # refuse bad requests before any compute
+    """Decode every prompt, one token per target forward (no stop token before min_tokens); results in prompt
+    order."""
+    for i, p in enumerate(prompts):  # refuse bad requests before any compute
+        RequestState(i, p, max_new_tokens, set(), target.context_window, min_tokens=min_tokens)
     queue = deque(enumerate(prompts))
-    results = dict(
-        stream_plain(target, queue, max_batch or len(prompts), max_new_tokens, sampling, stop_token_ids, on_tokens)
-    )
+    batch = max_batch or len(prompts)
+    results = dict(stream_plain(target, queue, batch, max_new_tokens, sampling, stop_token_ids, on_tokens, min_tokens))
     return [results[i] for i in range(len(prompts))]

@@ -52,6 +52,7 @@ class RequestState:
     stop_token_ids: set[int]
     context_window: int | None = None  # the model's maximum sequence length: prompt + output never exceed it
     top_logprobs: int | None = None  # None: no log-probabilities; k >= 0: each token's, and the k likeliest
+    min_tokens: int = 0  # no stop token before this many output tokens (vLLM's `min_tokens`)
     output: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when top_logprobs is set
     finish_reason: str | None = None
@@ -61,6 +62,11 @@ class RequestState:
             raise DSparkError(f"prompt {self.index} is empty; every request needs at least one token")
         if self.max_new_tokens <= 0:
             raise DSparkError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise DSparkError(
+                f"min_tokens must be between 0 and the maximum of new tokens ({self.max_new_tokens}), got "
+                f"{self.min_tokens}"
+            )
         if self.context_window:
             if len(self.prompt) >= self.context_window:
                 raise DSparkError(
@@ -92,6 +98,21 @@ class RequestState:
 
     def result(self, seconds: float, stats: SpecStats | None = None) -> GenerationResult:
         return GenerationResult(list(self.output), self.finish_reason or "length", seconds, stats)
+
+
+def without_early_stops(logits: torch.Tensor, requests: list[RequestState]) -> torch.Tensor:
+    """logits [B, n, V] of each request's next n output positions, with its stop tokens ruled out wherever they would
+    end the output before its min_tokens. The distribution decoding samples from (or takes the argmax of) is this
+    one, in plain and in speculative decoding alike, so speculation stays lossless; log-probabilities stay the raw
+    ones. The logits themselves are returned where no request needs it."""
+    short = [(b, r.min_tokens - len(r.output), sorted(r.stop_token_ids)) for b, r in enumerate(requests)]
+    short = [(b, n, stops) for b, n, stops in short if n > 0 and stops]
+    if not short:
+        return logits
+    logits = logits.clone()
+    for b, n, stops in short:
+        logits[b, :n, stops] = float("-inf")
+    return logits
 
 
 def pad_prompts(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

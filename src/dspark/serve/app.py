@@ -96,8 +96,8 @@ class GenerationBody(Strict):
     n: StrictInt = Field(1, ge=1, le=1)
     user: str | None = None
     ignore_eos: StrictBool = False  # vLLM's extension: generate to max_tokens through stop tokens (benchmarks)
-    # vLLM's extension, at its neutral value only: suppressing stop tokens would change the target's distribution
-    min_tokens: StrictInt = Field(0, ge=0, le=0)
+    # vLLM's extension: no stop token or stop string before this many tokens (in plain and speculative decoding alike)
+    min_tokens: StrictInt = Field(0, ge=0)
     # Accepted at their neutral values only: anything else would change the output in a way this server does not.
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0)
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0)
@@ -355,7 +355,13 @@ class Completions:
         stops = set() if body.ignore_eos else self.stop_ids
         try:
             request = RequestState(
-                self.next_id(), prompt, wanted or self.config.default_max_tokens, stops, self.window, top_logprobs
+                self.next_id(),
+                prompt,
+                wanted or self.config.default_max_tokens,
+                stops,
+                self.window,
+                top_logprobs,
+                min_tokens=body.min_tokens,
             )
             sampling = SamplingParams(body.temperature, body.top_k, body.top_p, body.seed)
         except DSparkError as e:
@@ -370,7 +376,7 @@ class Completions:
         for sub in subs:
             self.loop.submit(sub)
         stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        pieces = [TextPieces(self.tokenizer, stops) for _ in subs]
+        pieces = [TextPieces(self.tokenizer, stops, body.min_tokens) for _ in subs]
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if body.stream:
             events = self.stream(subs, pieces, rid, chat, body)
@@ -487,20 +493,24 @@ class Completions:
 
 
 class TextPieces:
-    """The text of a growing token list, released only in whole characters and cut at the first stop string."""
+    """The text of a growing token list, released only in whole characters and cut at the first stop string that
+    starts after the text of the first `min_tokens` tokens."""
 
-    def __init__(self, tokenizer, stops: list[str]):
-        self.tokenizer, self.stops = tokenizer, [s for s in stops if s]
+    def __init__(self, tokenizer, stops: list[str], min_tokens: int = 0):
+        self.tokenizer, self.stops, self.min_tokens = tokenizer, [s for s in stops if s], min_tokens
         self.ids: list[int] = []
         self.text = ""
         self.tokens = 0
+        self.free = 0 if not min_tokens else None  # where stop strings may start: known once min_tokens are out
 
     def add(self, tokens: list[int]) -> bool:
         """Take new tokens; True when a stop string was reached (the text then ends before it)."""
         self.ids += tokens
         self.tokens += len(tokens)
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        cuts = [full.find(s) for s in self.stops if s in full]
+        if self.free is None and self.tokens >= self.min_tokens:
+            self.free = len(self.tokenizer.decode(self.ids[: self.min_tokens], skip_special_tokens=True))
+        cuts = [full.find(s, self.free) for s in self.stops if self.free is not None and s in full[self.free :]]
         if cuts:
             self.text = full[: min(cuts)]
             return True
@@ -532,7 +542,7 @@ def validation_error(errors: list) -> ApiError:
             )
         return ApiError(400, f"unrecognized request argument: {where}", code="unknown_parameter", param=where)
     message = first.get("msg", "invalid request")
-    if loc and loc[-1] in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "min_tokens"):
+    if loc and loc[-1] in ("presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of"):
         message = f"{loc[-1]} is not supported by this server beyond its default"
     return ApiError(400, f"{message}{f' ({where})' if where else ''}", param=where)
 
