@@ -10,6 +10,7 @@ import torch
 from conftest import refused, tiny_drafter
 from dspark.bench.report import markdown_section, plots, write_section
 from dspark.bench.run import BenchConfig, run_bench
+from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
 from dspark.target import Target
 
 
@@ -25,6 +26,7 @@ def bench_run(tiny_run, tmp_path_factory):
         "progress": {"step": 3, "tokens": 50, "seconds": 900, "core_seconds": 1800, "device": "cpu: test"},
     }
     tiny_drafter(target, block_size=4, mask_token_id=63).save(tmp / "drafter", target.identity(), extra=legs)
+    write_answer_index([[5, 9, 30, 31, 32, 33] * 3, [6, 10, 31, 40, 41]], tmp / "drafter" / ANSWER_INDEX)
     evalset = tmp / "evalset.jsonl"
     evalset.write_text(
         "".join(json.dumps({"turns": [f"t{5 + i} t{9 + i} t{30 + i}", "second turn"]}) + "\n" for i in range(3))
@@ -36,7 +38,11 @@ def bench_run(tiny_run, tmp_path_factory):
         max_new_tokens=12,
         temperatures=[0.0, 1.0],
         dtypes=["float32"],
-        drafters={"dspark": str(tmp / "drafter")},
+        drafters={  # the drafter alone, suffix decoding alone and both (the default for a drafter with an index)
+            "dspark": f"no-suffix:{tmp / 'drafter'}",
+            "suffix": f"suffix:{tmp / 'drafter'}",
+            "dspark+suffix": str(tmp / "drafter"),
+        },
         scheduled=True,
     )
     with pytest.MonkeyPatch.context() as mp:
@@ -46,10 +52,39 @@ def bench_run(tiny_run, tmp_path_factory):
     return run, tmp
 
 
+def test_second_turns_follow_the_plain_first_answer(tiny_run, tmp_path, capsys):
+    """The repetitive workload: each record's second turn asked after our greedy answer to its first."""
+    from conftest import run_cli
+    from dspark.bench.run import bench_prompts
+    from dspark.decoding.plain import generate_plain
+
+    folder, _ = tiny_run
+    target = Target.load(str(folder))
+    evalset = tmp_path / "two.jsonl"
+    evalset.write_text(json.dumps({"turns": ["t5 t9", "t30 t31"]}) + "\n" + json.dumps({"turns": ["t7"]}) + "\n")
+    cfg = BenchConfig(model=str(folder), datasets=[str(evalset)], prompts_per_set=5, max_new_tokens=6)
+    first = target.encode_chat("t5 t9")
+    answer = target.tokenizer.decode(generate_plain(target, [first], 6)[0].token_ids, skip_special_tokens=True)
+    asked = [
+        {"role": "user", "content": "t5 t9"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "t30 t31"},
+    ]
+    cfg.second_turns = True
+    assert bench_prompts(target, str(evalset), cfg) == [target.encode_chat(asked)]
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"turns": ["t7"]}) + "\n")
+    code, err = run_cli(
+        capsys, "bench", "speed", "--model", folder, "--drafter", "s=suffix", "--datasets", one, "--second-turns"
+    )
+    assert code == 2 and "no record has a second turn" in err
+
+
 def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run):
     run, _ = bench_run
     methods = {r["method"] for r in run["results"]}
-    assert methods == {"plain", "hf", "hf-lookup", "dspark", "dspark+sched"}
+    spec = {"dspark", "suffix", "dspark+suffix"}
+    assert methods == {"plain", "hf", "hf-lookup", *spec, *(f"{m}+sched" for m in spec)}
     for r in run["results"]:
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["prompts"] == 2
         if r["method"] == "plain":
@@ -57,7 +92,7 @@ def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run)
         if r["temperature"] == 0:
             # HF generate and our plain decoding agree; speculative decoding is lossless
             assert r["identical_to_plain"] == 2, r
-    spec = [r for r in run["results"] if r["method"].startswith("dspark")]
+    spec = [r for r in run["results"] if "tau" in r]
     for r in spec:  # τ·rounds counts every token a round produced: all output tokens but each prompt's first, plus at
         # most γ per prompt cut off at the token limit
         produced = round(r["tau"] * r["rounds"])
@@ -65,6 +100,12 @@ def test_every_method_is_measured_and_greedy_speculation_is_identical(bench_run)
         assert len(r["accept_by_position"]) == 4
     assert all(set(r["ms_per_round"]) == {"draft", "verify", "context", "other"} for r in spec)
     assert run["machine"]["torch"] and run["drafters"]["dspark"]["weights_mb"] > 0
+    kinds = {label: (d["architecture"], d["suffix_trees"]) for label, d in run["drafters"].items()}
+    assert kinds == {
+        "dspark": ("dspark", False),
+        "suffix": ("suffix", True),
+        "dspark+suffix": ("dspark + suffix", True),
+    }
     training = run["drafters"]["dspark"]["training"]
     assert (training["legs"], training["tokens"], training["steps"], training["core_hours"]) == (2, 150, 8, 1.5)
     assert run["target_weights_mb"]["float32"] > 0

@@ -9,6 +9,7 @@ import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
 from dspark.decoder import Float32Weight
+from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
 from dspark.target import Target
 
 
@@ -102,6 +103,7 @@ def tiny_engine_bench(tiny_run, tmp_path, dtypes, progress=lambda _: None, **opt
     folder, _ = tiny_run
     target = Target.load(str(folder))
     tiny_drafter(target, block_size=3, mask_token_id=63).save(tmp_path / "drafter", target.identity())
+    write_answer_index([[5, 9, 30, 31, 32] * 2], tmp_path / "drafter" / ANSWER_INDEX)  # the race's suffix rows
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text(json.dumps({"turns": ["t5 t9 t30"]}) + "\n")
     return run_engine_bench(
@@ -133,10 +135,11 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     engines = {r["engine"] for r in run["forward"]}
     assert engines == {"ours", "ours, F.linear on few rows", "hf", "bandwidth bound"}  # the replaced form beside
     row = run["decode"][0]
-    assert row["ours"] > 0 and row["hf"] > 0 and row["dspark identical"] and row["dspark+sched identical"]
+    spec = ("dspark", "dspark+sched", "suffix", "dspark+suffix", "dspark+suffix+sched")
+    assert row["ours"] > 0 and row["hf"] > 0 and all(row[f"{e} identical"] for e in spec)
     run.update(machine=machine_info(), when="now", command="dspark bench-engine")
     text = engine_section(run, "dspark bench-engine", "engine.png")
-    assert "| float32 | ours |" in text and "bandwidth bound" in text and "dspark+sched" in text
+    assert "| float32 | ours |" in text and "bandwidth bound" in text and "dspark+suffix+sched" in text
     assert engine_plot(run, tmp_path / "engine.png").stat().st_size > 1000
 
 

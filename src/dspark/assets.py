@@ -35,6 +35,16 @@ def eval_prompts(name_or_path: str, count: int, offset: int = 0) -> list[str]:
     return [r["turns"][0] for r in records]
 
 
+def eval_conversations(name_or_path: str, count: int) -> list[list[str]]:
+    """Every user turn of the first `count` records that have more than one (MT-Bench's second turns ask to rewrite
+    or extend the first answer: text that repeats)."""
+    path = eval_path(name_or_path)
+    records = [r for r in read_jsonl(path) if isinstance(r.get("turns"), list) and len(r["turns"]) > 1]
+    if not records:
+        raise DSparkError(f"{path}: no record has a second turn ('turns' with two or more prompts)")
+    return [[str(t) for t in r["turns"]] for r in records[:count]]
+
+
 def shipped_drafter(model: str) -> Path:
     path = SHIPPED_DRAFTERS.get(model)
     if path is None or not (path / "model.safetensors").is_file():

@@ -45,3 +45,11 @@ def load_gguf(path: Path, threads: int, **kwargs):
         return llama_cpp.Llama(str(path), n_threads=threads, verbose=False, **kwargs)
     finally:
         llama_cpp.llama.llama_cpp.llama_model_default_params = default
+
+
+def prompt_lookup_draft(num_pred_tokens: int = 10):
+    """llama-cpp-python's own speculation: drafts looked up in the prompt and output so far (pass as `draft_model`)."""
+    require_llama_cpp()
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    return LlamaPromptLookupDecoding(num_pred_tokens=num_pred_tokens)

@@ -78,16 +78,18 @@ def hf_forward_ms(target, context_ids: torch.Tensor, counts, repeats: int) -> di
     return out
 
 
-def llama_cpp_model(model: str, threads: int, logits_all: bool):
+def llama_cpp_model(model: str, threads: int, logits_all: bool, lookup: bool = False):
     """llama.cpp on the GGUF file of a known target's package, or None (llama-cpp-python not usable, or a target
     that ships no GGUF). logits_all: every evaluated token's logits (a forward's, as ours return them), not only
-    the last one's (decoding, as users run it: keeping them all cost its completions 1-11 %)."""
-    from dspark.llamacpp import import_llama_cpp, load_gguf
+    the last one's (decoding, as users run it: keeping them all cost its completions 1-11 %). lookup: decoding with
+    llama-cpp-python's prompt-lookup speculation."""
+    from dspark.llamacpp import import_llama_cpp, load_gguf, prompt_lookup_draft
     from dspark.models import KNOWN_TARGETS, target_gguf
 
     if import_llama_cpp() is None or model not in KNOWN_TARGETS:
         return None
-    return load_gguf(target_gguf(model), threads, n_ctx=2048, n_batch=512, logits_all=logits_all)
+    draft = {"draft_model": prompt_lookup_draft()} if lookup else {}
+    return load_gguf(target_gguf(model), threads, n_ctx=2048, n_batch=512, logits_all=logits_all, **draft)
 
 
 def llama_forward_ms(llm, context_ids: list[int], counts, repeats: int) -> dict:
@@ -102,12 +104,13 @@ def llama_forward_ms(llm, context_ids: list[int], counts, repeats: int) -> dict:
     return {n: median_ms(lambda: llm.eval(context_ids[:n]), repeats, undo) for n in counts}
 
 
-def llama_generate(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[int, float]:
-    """Greedy completion through llama-cpp-python's own loop (it stops at the model's end-of-text token)."""
+def llama_generate(llm, prompt_ids: list[int], max_new_tokens: int) -> tuple[str, int, float]:
+    """Greedy completion through llama-cpp-python's own loop (it stops at the model's end-of-text token): text,
+    tokens and seconds."""
     llm.reset()
     start = time.perf_counter()
     out = llm.create_completion(prompt=prompt_ids, max_tokens=max_new_tokens, temperature=0.0)
-    return out["usage"]["completion_tokens"], time.perf_counter() - start
+    return out["choices"][0]["text"], out["usage"]["completion_tokens"], time.perf_counter() - start
 
 
 def run_engine_bench(
@@ -132,6 +135,7 @@ def run_engine_bench(
     run = {"bandwidth_gbs": memory_bandwidth_gbs(bandwidth_gib), "forward": [], "decode": [], "llama_cpp": None}
     progress(f"memory bandwidth {run['bandwidth_gbs']} GB/s")
     llm, llm_decoding = llama_cpp_model(model, threads, True), llama_cpp_model(model, threads, False)
+    llm_lookup = llama_cpp_model(model, threads, False, lookup=True)
     if llm is not None:
         from dspark.llamacpp import require_llama_cpp
 
@@ -187,7 +191,7 @@ def run_engine_bench(
             datasets=datasets,
             max_new_tokens=max_new_tokens,
             reference=reference,
-            llm=llm_decoding if dtype == dtypes[0] else None,
+            llms=(llm_decoding, llm_lookup) if dtype == dtypes[0] else (None, None),
             progress=progress,
         )
         decode(label=dtype)
@@ -206,12 +210,14 @@ def run_engine_bench(
     return run
 
 
-def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, reference, llm, progress) -> None:
-    """Plain and DSpark tokens/s (fixed γ and scheduled) on the first prompt of each set, with HF for an unquantized
-    eager target and llama.cpp when given, one row per set in run["decode"]."""
+def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, reference, llms, progress) -> None:
+    """Plain and speculative tokens/s on the first prompt of each set (the drafter, suffix decoding and both
+    together; fixed γ and scheduled), with HF for an unquantized eager target and llama.cpp (plain, and with its
+    prompt-lookup speculation) when given, one row per set in run["decode"]."""
     from dspark.drafter import load_drafter
 
-    engines = warm_dspark_engines(target, load_drafter(drafter_path, target), drafter_path)
+    engines = warm_dspark_engines(target, load_drafter(drafter_path, target), drafter_path, suffix=True)
+    llm, llm_lookup = llms
     generate_plain(target, [target.encode_chat("Hi!")], 4)
     for name in datasets:
         ids = target.encode_chat(eval_prompts(name, 1)[0])
@@ -226,8 +232,12 @@ def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, refe
             hf_tokens, seconds = hf_generate(target, ids, max_new_tokens, SamplingParams(), 0)
             row["hf"] = round(len(hf_tokens) / seconds, 2)
         if llm is not None:
-            count, seconds = llama_generate(llm, ids, max_new_tokens)
+            text, count, seconds = llama_generate(llm, ids, max_new_tokens)
             row["llama.cpp"] = round(count / seconds, 2)
+        if llm is not None and llm_lookup is not None:
+            lookup_text, count, seconds = llama_generate(llm_lookup, ids, max_new_tokens)
+            row["llama.cpp lookup"] = round(count / seconds, 2)
+            row["llama.cpp lookup identical"] = lookup_text == text
         for engine_name, e in engines.items():
             result = e.generate([ids], max_new_tokens)[0]
             row[engine_name] = round(result.tokens_per_s, 2)

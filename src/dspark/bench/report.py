@@ -83,7 +83,8 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
     out.append(
         f"Machine: {machine['cpu']}, {machine['cores']} cores, torch threads {machine['torch_threads']}, "
         f"flags {', '.join(machine['cpu_flags']) or 'n/a'}, {machine['memory_gb']} GiB; torch {machine['torch']}, "
-        f"transformers {machine['transformers']}, dspark {machine['dspark']}. Batch 1, first turn of "
+        f"transformers {machine['transformers']}, dspark {machine['dspark']}. Batch 1, "
+        f"{'second turn (after our greedy first answer)' if cfg.get('second_turns') else 'first turn'} of "
         f"{cfg['prompts_per_set']} prompts per set, up to {cfg['max_new_tokens']} new tokens, γ from each drafter."
     )
     out.append("")
@@ -427,9 +428,11 @@ def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> 
     ]
     out += [
         "",
-        "Tokens/s, batch 1, greedy, first prompt of each set (DSpark: the shipped drafter, fixed γ and "
-        "scheduled; τ and whether its output is identical to our plain decoding in brackets; last column: tokens "
-        "our plain output shares with float32's before the first difference):",
+        "Tokens/s, batch 1, greedy, first prompt of each set (dspark: the shipped drafter alone, suffix: suffix "
+        "decoding alone, dspark+suffix: both, the default; at a fixed γ and +sched under the confidence scheduler; "
+        "τ and whether the output is identical to our plain decoding in brackets; llama.cpp lookup: "
+        "llama-cpp-python's prompt-lookup speculation, against its plain output; last column: tokens our plain "
+        "output shares with float32's before the first difference):",
         "",
         "| precision | set | " + " | ".join(engines) + " | same as float32 |",
         "| --- " * (len(engines) + 3) + "|",
@@ -440,6 +443,8 @@ def engine_section(run: dict, command: str, plot: str, name: str = "engine") -> 
             cell = f"{r[e]:.1f}" if e in r else "–"
             if f"{e} tau" in r:
                 cell += f" (τ {r[e + ' tau']}, {'same' if r[e + ' identical'] else 'differs'})"
+            elif f"{e} identical" in r:  # llama.cpp's speculation, against its own plain output
+                cell += f" ({'same' if r[e + ' identical'] else 'differs'})"
             cells.append(cell)
         out.append(f"| {r['dtype']} | {r['dataset']} | " + " | ".join(cells) + f" | {r.get('same as float32', '–')} |")
     out += ["", f"![forward cost]({plot})", ""]

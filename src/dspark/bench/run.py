@@ -14,11 +14,12 @@ import platform
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import psutil
 import torch
 
-from dspark.assets import eval_prompts
+from dspark.assets import eval_conversations, eval_prompts
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.plain import generate_plain
 from dspark.decoding.stats import SpecStats, merged
@@ -41,6 +42,7 @@ class BenchConfig:
     scheduled: bool = False  # also run each drafter with a confidence head under the prefix scheduler
     lookup_tokens: int = 10
     seed: int = 0
+    second_turns: bool = False  # the prompts are second turns, after our plain decoding's greedy first answers
 
 
 class PeakRSS:
@@ -97,13 +99,19 @@ def weights_mb(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> float:
     return round(sum(t.numel() * t.element_size() for n, t in tensors if n not in skip) / 2**20, 3)
 
 
-def drafter_info(path: str, drafter) -> dict:
-    if not hasattr(drafter, "config"):  # the n-gram proposer: tables, no weights
-        return {
+def drafter_info(spec: str, proposer) -> dict:
+    """What a proposer is: its model's shape, weights and training, and whether suffix trees draft beside it."""
+    from dspark.drafter import checkpoint_of, model_drafter
+    from dspark.drafter.hybrid import HybridProposer
+    from dspark.drafter.suffix import SuffixProposer
+
+    drafter = model_drafter(proposer)
+    info = {"path": str(spec), "suffix_trees": isinstance(proposer, (SuffixProposer, HybridProposer))}
+    if not hasattr(drafter, "config"):  # the n-gram proposer or suffix decoding alone: tables, no weights
+        return info | {
             "weights_mb": 0.0,
             "draft_head_copy_mb": 0.0,
-            "path": str(path),
-            "architecture": "ngram",
+            "architecture": "suffix" if info["suffix_trees"] else "ngram",
             "block_size": drafter.block_size,
             "num_draft_layers": 0,
             "markov_rank": 0,
@@ -111,14 +119,13 @@ def drafter_info(path: str, drafter) -> dict:
             "training": None,
             "preset": None,
         }
-    meta = read_checkpoint_meta(path)
+    meta = read_checkpoint_meta(checkpoint_of(spec))
     own = weights_mb(drafter, skip=("embed_weight", "lm_head_weight"))
     lm_slice = 0.0 if drafter.d2t is None else round(drafter.lm_weight(drafter.fc.weight.dtype).numel() * 4 / 2**20, 1)
-    return {
+    return info | {
         "weights_mb": own,
         "draft_head_copy_mb": lm_slice,
-        "path": str(path),
-        "architecture": drafter.config.architecture,
+        "architecture": drafter.config.architecture + (" + suffix" if info["suffix_trees"] else ""),
         "block_size": drafter.block_size,
         "num_draft_layers": drafter.config.num_draft_layers,
         "markov_rank": drafter.config.markov_rank,
@@ -144,16 +151,28 @@ def hf_generate(target, ids: list[int], max_new_tokens: int, sampling: SamplingP
     return out[0, len(ids) :].tolist(), time.perf_counter() - start
 
 
-def warm_dspark_engines(target, drafter, drafter_path) -> dict[str, SpeculativeEngine]:
-    """The two DSpark engines every speed benchmark races (fixed γ, and the confidence scheduler with this machine's
-    cost table), each run once on a short prompt so that no timed run pays a first call's costs."""
+def warm_dspark_engines(target, drafter, drafter_path, suffix: bool = False) -> dict[str, SpeculativeEngine]:
+    """The DSpark engines a speed benchmark races: the drafter at a fixed γ and under the confidence scheduler with
+    this machine's cost table; with `suffix`, where the drafter ships an answer index, also suffix decoding alone
+    (fixed γ) and the hybrid (fixed and scheduled). Each is run once on a short prompt, so that no timed run pays a
+    first call's costs; the suffix trees are isolated, so no engine drafts from an answer another one just gave."""
     from dspark.decoding.policy import FixedLength
+    from dspark.drafter import SUFFIX_PREFIX, load_proposer
+    from dspark.drafter.hybrid import attune
+    from dspark.drafter.suffix import ANSWER_INDEX, suffix_trees_available
     from dspark.scheduling.planner import build_scheduler
 
-    engines = {
-        "dspark": SpeculativeEngine(target, drafter, FixedLength()),
-        "dspark+sched": SpeculativeEngine(target, drafter, build_scheduler(target, drafter_path, drafter=drafter)),
-    }
+    def scheduled(proposer):
+        policy = build_scheduler(target, drafter_path, drafter=drafter)
+        return SpeculativeEngine(target, attune(proposer, policy), policy)
+
+    engines = {"dspark": SpeculativeEngine(target, drafter, FixedLength()), "dspark+sched": scheduled(drafter)}
+    if suffix and suffix_trees_available() and (Path(drafter_path) / ANSWER_INDEX).is_file():
+        trees = load_proposer(f"{SUFFIX_PREFIX}{drafter_path}", target, isolate=True)
+        hybrid = load_proposer(drafter_path, target, suffix=True, isolate=True)
+        engines["suffix"] = SpeculativeEngine(target, trees, FixedLength())
+        engines["dspark+suffix"] = SpeculativeEngine(target, hybrid, FixedLength())
+        engines["dspark+suffix+sched"] = scheduled(load_proposer(drafter_path, target, suffix=True, isolate=True))
     warm = target.encode_chat("Hi!")
     for engine in engines.values():
         engine.generate([warm], 4)
@@ -175,6 +194,23 @@ def _agreement(a: list[int], b: list[int]) -> float:
     return common_prefix(a, b) / max(1, len(b))
 
 
+def bench_prompts(target, dataset: str, cfg: BenchConfig) -> list[list[int]]:
+    """The prompts of a set: first turns; or with `second_turns` the second turn after the first one's answer (our
+    plain decoding's, greedy, up to max_new_tokens), as a chat client sends it."""
+    if not cfg.second_turns:
+        return [target.encode_chat(p) for p in eval_prompts(dataset, cfg.prompts_per_set)]
+    prompts = []
+    for first, second, *_ in eval_conversations(dataset, cfg.prompts_per_set):
+        answer = generate_plain(target, [target.encode_chat(first)], cfg.max_new_tokens)[0].token_ids
+        messages = [
+            {"role": "user", "content": first},
+            {"role": "assistant", "content": target.tokenizer.decode(answer, skip_special_tokens=True)},
+            {"role": "user", "content": second},
+        ]
+        prompts.append(target.encode_chat(messages))
+    return prompts
+
+
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     from dspark.autotune import tune
     from dspark.drafter import load_proposer
@@ -186,17 +222,19 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
         target_mb[dtype] = weights_mb(target.model)
         drafters = {}
         for label, path in cfg.drafters.items():
-            drafters[label] = load_proposer(path, target)
+            # Isolated: an answer never joins the global tree, so no method drafts a prompt another just answered.
+            drafters[label] = load_proposer(path, target, isolate=True)
             drafters_meta[label] = drafter_info(path, drafters[label])
         engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
         if cfg.scheduled:
+            from dspark.drafter import model_drafter
+            from dspark.drafter.hybrid import attune
             from dspark.scheduling.planner import build_scheduler
 
             for label, d in drafters.items():
                 if d.confidence_head is not None:
-                    engines[f"{label}+sched"] = SpeculativeEngine(
-                        target, d, build_scheduler(target, cfg.drafters[label], drafter=d)
-                    )
+                    policy = build_scheduler(target, cfg.drafters[label], drafter=model_drafter(d))
+                    engines[f"{label}+sched"] = SpeculativeEngine(target, attune(d, policy), policy)
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
@@ -205,7 +243,7 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 engine.generate([warm], 4, sampling)
             generate_plain(target, [warm], 4, sampling)
             for dataset in cfg.datasets:
-                prompts = [target.encode_chat(p) for p in eval_prompts(dataset, cfg.prompts_per_set)]
+                prompts = bench_prompts(target, dataset, cfg)
                 rows = {m: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "peak_rss": 0} for m in methods}
                 for ids in prompts:
                     for m in methods:

@@ -227,17 +227,11 @@ def speculative_engine(args, target, batch_sizes: tuple[int, ...] = (1,)):
     """The engine for --drafter (beside suffix decoding where --suffix says so) and the verification flags."""
     from dspark.decoding.engine import SpeculativeEngine
     from dspark.drafter import load_proposer, model_drafter
+    from dspark.drafter.hybrid import attune
 
     proposer = load_proposer(args.drafter, target, args.suffix, getattr(args, "isolate_requests", False))
     policy = build_policy(args, target, args.drafter, batch_sizes, drafter=model_drafter(proposer))
-    return SpeculativeEngine(target, attuned(proposer, policy), policy)
-
-
-def attuned(proposer, policy):
-    """The proposer, told the policy's STS temperatures where it states survival in their terms (the hybrid)."""
-    if hasattr(proposer, "temperatures"):
-        proposer.temperatures = getattr(policy, "temperatures", None)
-    return proposer
+    return SpeculativeEngine(target, attune(proposer, policy), policy)
 
 
 def add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -311,25 +305,33 @@ def check_given_files(args, names) -> None:
 
 
 def check_drafter_arg(path) -> None:
-    """A --drafter that is not a checkpoint (or ngram:DATA file, or suffix) is refused before the target loads."""
-    from dspark.drafter import NGRAM_PREFIX, SUFFIX_SPEC, read_checkpoint_meta
+    """A --drafter that is not a checkpoint (or ngram:DATA file, suffix, suffix:INDEX or no-suffix:CHECKPOINT) is
+    refused before the target loads."""
+    from dspark.drafter import NGRAM_PREFIX, answer_index_of, checkpoint_of, read_checkpoint_meta
+    from dspark.drafter.suffix import is_answer_index
 
-    if path and str(path) == SUFFIX_SPEC:
+    if not path:
         return
-    if path and str(path).startswith(NGRAM_PREFIX):
+    if str(path).startswith(NGRAM_PREFIX):
         if not Path(str(path)[len(NGRAM_PREFIX) :]).is_file():
             raise DSparkError(f"--drafter {path}: no data file there (ngram:DATA wants regenerated JSONL)")
-    elif path:
-        read_checkpoint_meta(path)
+    elif (index := answer_index_of(path)) is not None:
+        if not index.is_file() or not is_answer_index(index):
+            raise DSparkError(
+                f"--drafter {path}: {index} is not a suffix answer index (`dspark suffix-index` writes one)"
+            )
+    elif (checkpoint := checkpoint_of(path)) is not None:
+        read_checkpoint_meta(checkpoint)
 
 
 def drafter_block_size(path) -> int | None:
     """The drafts per block of a drafter checkpoint (None for other proposers, which are not calibrated)."""
-    from dspark.drafter import NGRAM_PREFIX, SUFFIX_SPEC, read_checkpoint_meta
+    from dspark.drafter import checkpoint_of, read_checkpoint_meta
 
-    if not path or str(path).startswith(NGRAM_PREFIX) or str(path) == SUFFIX_SPEC:
+    checkpoint = checkpoint_of(path)
+    if checkpoint is None:
         return None
-    block = read_checkpoint_meta(path)["drafter"].get("block_size")
+    block = read_checkpoint_meta(checkpoint)["drafter"].get("block_size")
     return block if isinstance(block, int) else None
 
 

@@ -6,7 +6,6 @@ from dspark.cli.args import (
     add_compile_arg,
     add_suffix_arg,
     add_target_args,
-    attuned,
     check_drafter_arg,
     check_given_files,
     load_target,
@@ -40,6 +39,7 @@ def run(args) -> int:
     from dspark.bench.demo import run_demo
     from dspark.decoding.policy import FixedLength
     from dspark.drafter import load_proposer, model_drafter
+    from dspark.drafter.hybrid import attune
     from dspark.scheduling.planner import build_scheduler
 
     if args.fixed and args.cost_table:
@@ -54,7 +54,7 @@ def run(args) -> int:
     policy = FixedLength()
     if drafter.confidence_head is not None and not args.fixed:
         policy = build_scheduler(target, drafter_path, args.cost_table, drafter=model_drafter(drafter))
-        attuned(drafter, policy)
+        attune(drafter, policy)
     suffix = ", with suffix decoding" if drafter is not model_drafter(drafter) else ""
     print(
         f"target {args.model} ({args.dtype}), drafter {drafter_path}{suffix}, greedy, γ={drafter.block_size}, "

@@ -4,7 +4,10 @@ from dspark.drafter.config import DSparkConfig
 from dspark.drafter.model import DraftCache, DSparkDrafter
 from dspark.drafter.registry import (
     NGRAM_PREFIX,
+    SUFFIX_PREFIX,
     SUFFIX_SPEC,
+    answer_index_of,
+    checkpoint_of,
     lineage,
     load_drafter,
     load_proposer,
@@ -17,10 +20,13 @@ from dspark.drafter.registry import (
 
 __all__ = [
     "NGRAM_PREFIX",
+    "SUFFIX_PREFIX",
     "SUFFIX_SPEC",
     "DSparkConfig",
     "DSparkDrafter",
     "DraftCache",
+    "answer_index_of",
+    "checkpoint_of",
     "lineage",
     "load_drafter",
     "load_proposer",

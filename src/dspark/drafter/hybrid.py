@@ -84,3 +84,10 @@ class HybridProposer:
         if own.probs is not None:
             probs = torch.where(pick[:, None, None], tree.probs.to(own.probs), own.probs)
         return Proposal(tokens, probs, logits, lengths)
+
+
+def attune(proposer, policy):
+    """The proposer, told the policy's STS temperatures where it states survival in their terms (the hybrid)."""
+    if isinstance(proposer, HybridProposer):
+        proposer.temperatures = getattr(policy, "temperatures", None)
+    return proposer

@@ -182,34 +182,72 @@ def load_checked_state(drafter, state: dict, where: str) -> None:
 
 
 NGRAM_PREFIX = "ngram:"  # --drafter ngram:DATA builds the n-gram proposer from regenerated data
+SUFFIX_SPEC = "suffix"  # --drafter suffix: suffix decoding alone, no model; suffix:PATH fills its tree from PATH
+SUFFIX_PREFIX = "suffix:"
+NO_SUFFIX_PREFIX = "no-suffix:"  # --drafter no-suffix:PATH: the checkpoint's drafter alone, as --no-suffix
 
 
-SUFFIX_SPEC = "suffix"  # --drafter suffix: suffix decoding alone, no model
+def checkpoint_of(spec) -> Path | None:
+    """The drafter checkpoint folder a --drafter spec loads: None for the n-gram proposer and suffix decoding alone."""
+    spec = str(spec or "")
+    if not spec or spec == SUFFIX_SPEC or spec.startswith((NGRAM_PREFIX, SUFFIX_PREFIX)):
+        return None
+    return Path(spec.removeprefix(NO_SUFFIX_PREFIX))
+
+
+def answer_index_of(spec) -> Path | None:
+    """The answer index a `suffix:PATH` spec fills the global tree from (PATH: an index, or a folder holding one)."""
+    from dspark.drafter.suffix import ANSWER_INDEX
+
+    spec = str(spec)
+    if not spec.startswith(SUFFIX_PREFIX):
+        return None
+    path = Path(spec.removeprefix(SUFFIX_PREFIX))
+    return path / ANSWER_INDEX if path.is_dir() else path
 
 
 def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate: bool = False):
-    """A drafter checkpoint folder, `ngram:DATA` for the n-gram proposer built from a regenerated data file, or
-    `suffix` for suffix decoding alone. A checkpoint drafts beside suffix decoding (drafter.hybrid) where `suffix`
-    says so, or by default (None) where it ships an answer index and the suffix trees are installed; the global tree
-    is filled from that index. isolate: served answers never join the global tree."""
-    from dspark.drafter.suffix import ANSWER_INDEX, SuffixProposer, read_answer_index, suffix_trees_available
+    """A drafter checkpoint folder, `ngram:DATA` for the n-gram proposer built from a regenerated data file, `suffix`
+    for suffix decoding alone (`suffix:PATH`: its global tree filled from PATH's answer index), or
+    `no-suffix:CHECKPOINT` for a drafter without suffix decoding. A checkpoint drafts beside suffix decoding
+    (drafter.hybrid) where `suffix` says so, or by default (None) where it ships an answer index and the suffix trees
+    are installed; the global tree is filled from that index. isolate: served answers never join the global tree."""
+    from dspark.drafter.suffix import (
+        ANSWER_INDEX,
+        SuffixProposer,
+        read_answer_index,
+        read_tree_calibration,
+        suffix_trees_available,
+    )
 
     if str(spec).startswith(NGRAM_PREFIX):
         from dspark.drafter.ngram import NgramProposer
 
         return NgramProposer.from_data(str(spec)[len(NGRAM_PREFIX) :], target)
-    if str(spec) == SUFFIX_SPEC:
-        return SuffixProposer(target.vocab_size, isolate=isolate)
-    drafter = load_drafter(spec, target)
-    index = Path(spec) / ANSWER_INDEX
+    checkpoint = checkpoint_of(spec)
+    if checkpoint is None:
+        index = answer_index_of(spec)
+        answers = read_answer_index(index) if index is not None else []
+        calibration = read_tree_calibration(index) if index is not None else None
+        folder = Path(str(spec).removeprefix(SUFFIX_PREFIX))
+        block = read_checkpoint_meta(folder)["drafter"].get("block_size", 7) if folder.is_dir() else 7
+        if calibration is not None:
+            block = calibration.shape[1]
+        return SuffixProposer(target.vocab_size, block, answers, isolate=isolate, calibration=calibration)
+    if str(spec).startswith(NO_SUFFIX_PREFIX):
+        suffix = False
+    drafter = load_drafter(checkpoint, target)
+    index = checkpoint / ANSWER_INDEX
     if suffix is None:
         suffix = index.is_file() and suffix_trees_available()
     if not suffix:
         return drafter
     from dspark.drafter.hybrid import MIN_MATCH, HybridProposer
 
-    answers = read_answer_index(index) if index.is_file() else []
-    tree = SuffixProposer(target.vocab_size, drafter.block_size, answers, isolate=isolate, min_match=MIN_MATCH)
+    answers, calibration = (read_answer_index(index), read_tree_calibration(index)) if index.is_file() else ([], None)
+    tree = SuffixProposer(
+        target.vocab_size, drafter.block_size, answers, isolate=isolate, min_match=MIN_MATCH, calibration=calibration
+    )
     return HybridProposer(drafter, tree)
 
 

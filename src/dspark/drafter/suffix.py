@@ -27,6 +27,14 @@ from dspark.sampling import Sampling, all_greedy
 ANSWER_INDEX = "suffix-answers.safetensors"  # beside a drafter: the answers that fill the global tree
 NO_CONFIDENCE = -30.0  # the confidence logit of a position the tree did not draft
 MAX_TREE_DEPTH = 64  # the longest context suffix matched, as vLLM's default
+# The shortest context match of each group whose probabilities are calibrated together: a count after a match of one
+# token says less than the same count after sixteen (overconfident at short matches, underconfident at long ones).
+MATCH_BUCKETS = (1, 2, 4, 8, 16)
+
+
+def match_bucket(match_len: int) -> int:
+    """The calibration group of a context match of this many tokens."""
+    return max(i for i, lo in enumerate(MATCH_BUCKETS) if lo <= max(match_len, 1))
 
 
 def suffix_trees_available() -> bool:
@@ -54,6 +62,7 @@ class SuffixCache:
     def __init__(self, proposer: SuffixProposer, keys: list[int]):
         self.proposer, self.keys = proposer, keys
         self.histories: list[list[int]] = [[] for _ in keys]
+        self.match_lengths = [0] * len(keys)  # each row's context match in the last proposal, for reports
 
     def select(self, rows: torch.Tensor) -> None:
         kept = rows.tolist()
@@ -61,10 +70,12 @@ class SuffixCache:
             self.proposer.finish(self.keys[i])
         self.keys = [self.keys[i] for i in kept]
         self.histories = [self.histories[i] for i in kept]
+        self.match_lengths = [self.match_lengths[i] for i in kept]
 
     def merge(self, other: SuffixCache) -> None:
         self.keys += other.keys
         self.histories += other.histories
+        self.match_lengths += other.match_lengths
 
 
 class SuffixProposer:
@@ -73,7 +84,9 @@ class SuffixProposer:
     answers: token lists that fill the global tree first (the drafter's training answers); max_cached: how many
     answers the global tree keeps, the oldest evicted first (served answers join it as they finish); isolate: served
     answers never join it, so one client's text cannot speed up (and so reveal itself to) another's; min_match: the
-    shortest context match a draft is taken from."""
+    shortest context match a draft is taken from; calibration [len(MATCH_BUCKETS), γ, 2]: Platt scaling (a, b) of
+    the probabilities' logits per match group and position (`dspark suffix-index` fits it on held-out answers), so
+    that a confidence is the survival rate observed for drafts like it."""
 
     target_layer_ids: list[int] = []  # it reads tokens, not the target's features
     confidence_head = True  # the tree's probabilities estimate survival
@@ -88,8 +101,15 @@ class SuffixProposer:
         max_spec_factor: float = 2.0,
         min_token_prob: float = 0.1,
         min_match: int = 1,
+        calibration: torch.Tensor | None = None,
     ):
+        if calibration is not None and tuple(calibration.shape) != (len(MATCH_BUCKETS), block_size, 2):
+            raise DSparkError(
+                f"the suffix calibration has shape {tuple(calibration.shape)}, not ({len(MATCH_BUCKETS)}, {block_size}"
+                ", 2); rebuild the answer index with `dspark suffix-index`"
+            )
         self.vocab_size, self.block_size, self.isolate = vocab_size, block_size, isolate
+        self.calibration = calibration
         self.max_spec_factor, self.min_token_prob, self.min_match = max_spec_factor, min_token_prob, min_match
         self.trees = _new_trees(max(max_cached, 1))
         self.keys = count()
@@ -139,10 +159,15 @@ class SuffixProposer:
                 min_token_prob=self.min_token_prob,
             )
             n = len(draft.token_ids) if draft.match_len >= self.min_match else 0
+            cache.match_lengths[b] = draft.match_len if n else 0
             if n:
                 tokens[b, :n] = torch.tensor(draft.token_ids)
                 tokens[b, n:] = draft.token_ids[-1]
-                logits[b, :n] = torch.tensor([_logit(p) for p in draft.probs[:n]])
+                raw = torch.tensor([_logit(p) for p in draft.probs[:n]])
+                if self.calibration is not None:
+                    scale, shift = self.calibration[match_bucket(draft.match_len), :n].unbind(-1)
+                    raw = scale * raw + shift
+                logits[b, :n] = raw
             lengths[b] = n
         device = anchor_ids.device
         tokens = tokens.to(device)
@@ -163,13 +188,17 @@ def expected_accepted(confidence_logits: torch.Tensor) -> torch.Tensor:
     return torch.sigmoid(confidence_logits.float()).cumprod(dim=1).sum(dim=1)
 
 
-def write_answer_index(answers: list[list[int]], path: str | Path) -> None:
-    """The answers that fill a global tree, as one token array and the offsets between answers."""
+def write_answer_index(answers: list[list[int]], path: str | Path, calibration: torch.Tensor | None = None) -> None:
+    """The answers that fill a global tree, as one token array and the offsets between answers, and the calibration
+    of the trees' probabilities where one was fitted."""
     path = Path(path)
     flat = torch.tensor([t for a in answers for t in a], dtype=torch.int32)
     offsets = torch.tensor([0] + [len(a) for a in answers], dtype=torch.int64).cumsum(0)
+    tensors = {"tokens": flat, "offsets": offsets}
+    if calibration is not None:
+        tensors["calibration"] = calibration.float().contiguous()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    save_file({"tokens": flat, "offsets": offsets}, str(tmp))
+    save_file(tensors, str(tmp))
     make_public(tmp)
     os.replace(tmp, path)
 
@@ -177,7 +206,7 @@ def write_answer_index(answers: list[list[int]], path: str | Path) -> None:
 def is_answer_index(path: str | Path) -> bool:
     """An earlier index of ours: a safetensors file holding tokens and offsets."""
     try:
-        return set(load_file(str(path))) == {"tokens", "offsets"}
+        return {"tokens", "offsets"} <= set(load_file(str(path))) <= {"tokens", "offsets", "calibration"}
     except Exception:  # safetensors reports damage with its own exception types
         return False
 
@@ -191,3 +220,11 @@ def read_answer_index(path: str | Path, limit: int | None = None) -> list[list[i
         raise DSparkError(f"{path} is not a suffix answer index ({e}); rebuild it or leave out --suffix") from e
     ends = list(zip(offsets, offsets[1:]))[:limit]
     return [tokens[a:b] for a, b in ends]
+
+
+def read_tree_calibration(path: str | Path) -> torch.Tensor | None:
+    """The calibration stored in an answer index (None in an index written without one)."""
+    try:
+        return load_file(str(path)).get("calibration")
+    except Exception as e:  # safetensors reports damage with its own exception types
+        raise DSparkError(f"{path} is not a suffix answer index ({e}); rebuild it or leave out --suffix") from e

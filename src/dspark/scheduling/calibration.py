@@ -115,6 +115,25 @@ def fit_sts(rounds: Rounds, grid: torch.Tensor = GRID) -> list[float]:
     return [round(t, 4) for t in temps.tolist()]
 
 
+def fit_platt(logits: torch.Tensor, labels: torch.Tensor, prior: float = 1.0) -> tuple[float, float]:
+    """Platt scaling: (a, b) so that σ(a·logit + b) predicts the labels, by maximum likelihood with a Gaussian prior
+    of weight `prior` (in examples) around the identity (1, 0), which keeps a small group near its raw estimate."""
+    x, y = logits.double(), labels.double()
+    params = torch.tensor([1.0, 0.0], dtype=torch.float64, requires_grad=True)
+    optimizer = torch.optim.LBFGS([params], max_iter=100, line_search_fn="strong_wolfe")
+
+    def loss():
+        optimizer.zero_grad()
+        nll = torch.nn.functional.binary_cross_entropy_with_logits(params[0] * x + params[1], y, reduction="sum")
+        value = (nll + prior * ((params[0] - 1) ** 2 + params[1] ** 2)) / len(x)
+        value.backward()
+        return value
+
+    optimizer.step(loss)
+    a, b = params.detach().tolist()
+    return round(a, 4), round(b, 4)
+
+
 def report(rounds: Rounds, temperatures: list[float]) -> list[dict]:
     """ECE, AUROC and Brier of prefix survival per position, before (T = 1) and after calibration."""
     gamma = rounds.logits.shape[1]

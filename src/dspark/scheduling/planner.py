@@ -190,14 +190,18 @@ def build_scheduler(
     the given STS calibration (else the one shipped beside the drafter; uncalibrated confidences when it has none).
     `drafter`: the loaded drafter at `drafter_path`, when the caller has it."""
     from dspark.autotune import cached_cost_table
+    from dspark.drafter import checkpoint_of, load_drafter
 
+    checkpoint = checkpoint_of(drafter_path)  # None for suffix decoding alone, which has no calibration
     if cost_table:
         cost = CostTable.load(cost_table)
     else:
         if drafter is None:
-            from dspark.drafter import load_drafter
-
-            drafter = load_drafter(drafter_path, target)
+            drafter = load_drafter(checkpoint, target)
         cost = cached_cost_table(target, batch_sizes=batch_sizes, drafter=drafter)
-    temps = read_temperatures(calibration) if calibration else drafter_temperatures(drafter_path)
+    temps: list[float] | None = None
+    if calibration:
+        temps = read_temperatures(calibration)
+    elif checkpoint is not None:
+        temps = drafter_temperatures(checkpoint)
     return SCHEDULERS[kind](cost, temps)

@@ -23,12 +23,24 @@ def register(sub) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--temperatures", type=finite_float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    p.add_argument("--drafter", action="append", help="LABEL=PATH, repeatable (default: dspark=<shipped drafter>)")
+    p.add_argument(
+        "--drafter",
+        action="append",
+        help="LABEL=PATH, repeatable (default: dspark=<shipped drafter>, beside suffix decoding where it ships an "
+        "answer index); PATH as for generate: a checkpoint, no-suffix:CHECKPOINT (the drafter alone), "
+        "suffix:CHECKPOINT (suffix decoding alone, its tree filled from that drafter's answers), ngram:DATA",
+    )
     p.add_argument("--peers", nargs="*", default=["hf", "hf-lookup"], choices=["hf", "hf-lookup"])
     p.add_argument(
         "--scheduled",
         action="store_true",
         help="also run drafters that have a confidence head under the prefix scheduler (LABEL+sched)",
+    )
+    p.add_argument(
+        "--second-turns",
+        action="store_true",
+        help="ask each record's second turn after our plain decoding's answer to its first (MT-Bench: rewrites of "
+        "that answer, text that repeats); records with one turn are left out",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="quick", help="name of the result files and of the BENCHMARKS.md section")
@@ -45,6 +57,11 @@ def run(args) -> int:
         args.drafter or [f"dspark={shipped_drafter(args.model)}"], "--drafter", "dspark=runs/drafter/checkpoint"
     )
     out = check_bench_args(args, drafters.values())
+    if args.second_turns:  # a set without second turns is refused before the model loads
+        from dspark.assets import eval_conversations
+
+        for name in args.datasets:
+            eval_conversations(name, 1)
     setup_torch(args)
     cfg = BenchConfig(
         model=args.model,
@@ -57,6 +74,7 @@ def run(args) -> int:
         peers=args.peers,
         seed=args.seed,
         scheduled=args.scheduled,
+        second_turns=args.second_turns,
     )
     run = run_bench(cfg, progress=lambda line: print(line, file=sys.stderr))
     publish(
