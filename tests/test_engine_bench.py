@@ -125,15 +125,12 @@ def test_engine_bench_reports_every_engine(tiny_run, tmp_path, monkeypatch):
     from dspark.bench.report import engine_plot, engine_section
     from dspark.bench.run import machine_info
 
-    def transposed(self, repeats=3):  # as on a machine where the transposed few-row form measured faster
-        self.decoder.few_rows_transposed = True
-        return self
-
-    monkeypatch.setattr("dspark.autotune.choose_product_forms", transposed)
+    # As measured on a quiet machine: a tiny model is all Python, not worth packing (a busy one may time it otherwise)
+    monkeypatch.setattr("dspark.autotune.choose_product_forms", lambda target, repeats=3: target)
     run = tiny_engine_bench(tiny_run, tmp_path, ["float32"])
     assert run["llama_cpp"] is None  # a local folder ships no GGUF
     engines = {r["engine"] for r in run["forward"]}
-    assert engines == {"ours", "ours, F.linear on few rows", "hf", "bandwidth bound"}  # the replaced form beside
+    assert engines == {"ours", "hf", "bandwidth bound"}
     row = run["decode"][0]
     spec = ("dspark", "dspark+sched", "suffix", "dspark+suffix", "dspark+suffix+sched")
     assert row["ours"] > 0 and row["hf"] > 0 and all(row[f"{e} identical"] for e in spec)

@@ -695,7 +695,7 @@ def test_damaged_kernel_and_cost_records_are_measured_again(monkeypatch, tmp_pat
     target = tiny_target()
     kernels = machine_cache_file("kernels", target.name, target.precision)
     kernels.parent.mkdir(parents=True)
-    kernels.write_text('{"few_rows_transposed": [1], "packed": null}')
+    kernels.write_text('{"packed": null}')
     autotune.choose_product_forms(target, repeats=1)
     assert json.loads(kernels.read_text())["packed"] is False
     monkeypatch.setattr(autotune, "profile_target", lambda *a, **k: CostTable([1, 2], [3.0, 4.0]))

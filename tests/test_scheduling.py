@@ -29,7 +29,6 @@ def test_cost_table_interpolates_and_round_trips(tmp_path):
     assert table.token_counts == [1, 4, 8]
     assert table.step_time(2) == pytest.approx(50 + 10 / 3)
     assert table.step_time(16) == pytest.approx(160.0)  # proportional beyond the table
-    assert table.sps(1) == pytest.approx(20.0)
     table.save(tmp_path / "c.json")
     again = CostTable.load(tmp_path / "c.json")
     assert again.step_time_ms == table.step_time_ms and again.meta["dtype"] == "float32"
@@ -193,7 +192,8 @@ def test_a_search_without_early_stop_is_biased():
         out = []
         for c in conf:
             a = torch.sigmoid(c).cumprod(0).tolist()
-            thetas = [1.0 * APPENDIX_A.sps(1), (1 + a[0]) * APPENDIX_A.sps(2), (1 + a[0] + a[1]) * APPENDIX_A.sps(3)]
+            steps_per_s = [1000 / APPENDIX_A.step_time(n) for n in (1, 2, 3)]
+            thetas = [1.0 * steps_per_s[0], (1 + a[0]) * steps_per_s[1], (1 + a[0] + a[1]) * steps_per_s[2]]
             out.append(max(range(3), key=lambda i: thetas[i]))
         return torch.tensor(out)
 

@@ -182,51 +182,6 @@ def test_real_target_features_equal_hf(real_target):
     torch.testing.assert_close(out.logits, hf.logits.float(), rtol=1e-5, atol=1e-4)
 
 
-def test_few_row_products_in_either_form_agree(tmp_path, monkeypatch):
-    """The transposed form of few-row products (used where the machine runs it faster) computes what F.linear does:
-    a verify of a few tokens gives the same logits in both forms and speculative greedy output stays identical to
-    plain decoding. Which form is faster is measured once per machine and read from the cache afterwards."""
-    import json
-
-    from conftest import tiny_drafter
-    from dspark.autotune import choose_product_forms
-    from dspark.decoder import FEW_ROWS, linear
-    from dspark.decoding.engine import SpeculativeEngine
-
-    w, b = torch.randn(48, 32), torch.randn(48)
-    for rows in (1, 2, 5, FEW_ROWS, FEW_ROWS + 1):
-        x = torch.randn(rows, 1, 32)
-        torch.testing.assert_close(linear(x, w, b, few_rows_transposed=True), torch.nn.functional.linear(x, w, b))
-
-    target = tiny_target(eos=7)
-    # The form is for a decoder that is not batch-invariant (float16 on a CPU); float32 pads its products instead.
-    target.decoder.batch_invariant, target.decoder.min_rows = False, 1
-    ids = torch.randint(0, 90, (1, 16))
-    outputs = []
-    for form in (False, True):
-        target.decoder.few_rows_transposed = form
-        cache = target.new_cache(1)
-        target.forward(cache, ids[:, :12])
-        outputs.append(target.forward(cache, ids[:, 12:]).logits)
-    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
-    prompts = [torch.randint(8, 90, (n,)).tolist() for n in (6, 3, 11)]
-    engine = SpeculativeEngine(target, tiny_drafter(target, block_size=4))
-    assert [r.token_ids for r in engine.generate(prompts, 30)] == [
-        r.token_ids for r in generate_plain(target, prompts, 30)
-    ]
-
-    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
-    choose_product_forms(target, repeats=1)
-    [saved] = (tmp_path / "kernels").glob("tiny-97-0-float32-*.json")
-    measured = json.loads(saved.read_text())
-    assert set(measured["verify_4_and_8_ms"]) == {"linear", "transposed"}
-    saved.write_text(json.dumps({"few_rows_transposed": not measured["few_rows_transposed"], "packed": False}))
-    assert choose_product_forms(target).decoder.few_rows_transposed != measured["few_rows_transposed"]  # cached
-    saved.write_text("{torn")
-    choose_product_forms(target, repeats=1)  # a damaged record is measured again
-    assert "verify_4_and_8_ms" in json.loads(saved.read_text())
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(tmp_path, monkeypatch, dtype):
     """decoder.PackedWeight: one reorder into oneDNN's layout, then every product (1 row, a verify, a batch) as
@@ -266,8 +221,11 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
     choose_product_forms(target, repeats=1)  # a tiny model is all Python: measured as not worth packing
     [saved] = (tmp_path / "kernels").glob(f"tiny-97-0-{str(dtype).removeprefix('torch.')}-*.json")
     assert json.loads(saved.read_text())["packed"] is False
-    saved.write_text(json.dumps({"few_rows_transposed": False, "packed": True}))  # as on the AMX Xeon
+    saved.write_text(json.dumps({"packed": True}))  # as on the AMX Xeon
     assert isinstance(choose_product_forms(target).head_weight, PackedWeight)
+    saved.write_text("{torn")
+    choose_product_forms(target, repeats=1)  # a damaged record is measured again
+    assert "verify_4_and_8_ms" in json.loads(saved.read_text())
 
 
 @pytest.mark.parametrize("packed", [False, True])

@@ -1,6 +1,6 @@
 """Machine tuning, in one place and run only when asked (`dspark autotune`, or the commands that load a target for
 decoding, once per machine): what this CPU can do, which precision the target runs fastest in (`--dtype auto`), in
-which form its matrix products run (few-row products transposed, packed weights, a quantized target's prompts), and
+which form its matrix products run (packed weights, a quantized target's prompts), and
 the cost table the scheduler plans with. Every decision is timed on the real forward once per machine, target,
 precision, thread count and revision of dspark's code (`models.code_revision`: an upgrade re-measures) and kept in
 the dspark cache (`~/.cache/dspark`); loading a model never measures anything.
@@ -238,41 +238,27 @@ def clearly_faster(target: Target, forms: dict, form: str, than: str, repeats: i
 
 
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:
-    """Run the products in the forms that are faster on this machine: few-row products (the verify of a few
-    drafts; see decoder.FEW_ROWS) as (W @ xᵀ)ᵀ or not, then, where oneDNN runs the precision, packed weights or not
-    (decoder.PackedWeight). Real forwards of 4 and 8 new tokens (and of 1, for packing) are timed in each form
-    once per machine, precision and thread count (a few seconds), then read from the dspark cache."""
+    """Run the products in the form that is faster on this machine: where oneDNN runs the precision, packed weights
+    or not (decoder.PackedWeight). Real forwards of 1 and 8 new tokens are timed in each form once per machine,
+    precision and thread count (a few seconds), then read from the dspark cache."""
     path = machine_cache_file("kernels", target.name, target.precision)
     record = tuning_record(
         path,
-        lambda r: _flag(r, "few_rows_transposed") and _flag(r, "packed"),
+        lambda r: _flag(r, "packed"),
         lambda: measure_product_forms(target, repeats),
     )
-    # the transposed form is not batch-invariant: a batch-invariant decoder never takes it
-    target.decoder.few_rows_transposed = record["few_rows_transposed"] and not target.decoder.batch_invariant
     return target.use_packed_weights(record["packed"])
 
 
 def measure_product_forms(target: Target, repeats: int) -> dict:
     """choose_product_forms' measurement: the record of the forms timed on this machine."""
 
-    def few_rows(form):
-        return lambda: setattr(target.decoder, "few_rows_transposed", form)
-
-    forms = {"linear": few_rows(False)}
-    if not target.decoder.batch_invariant:
-        forms["transposed"] = few_rows(True)
-    verify = time_forms(target, forms, (4, 8), repeats)
+    verify = time_forms(target, {"linear": lambda: None}, (4, 8), repeats)
     # Only where the products dominate (the real 135M target: 350 ms here; a tiny test model: 5 ms, mostly Python):
     # below that the timings are noise, and a coin-flip choice would make otherwise identical runs differ in
     # their last bits.
     real = verify["linear"] > 0.05
-    target.decoder.few_rows_transposed = verify.get("transposed", 1e9) < 0.85 * verify["linear"] and real
-    record = {
-        "few_rows_transposed": target.decoder.few_rows_transposed,
-        "packed": False,
-        "verify_4_and_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()},
-    }
+    record = {"packed": False, "verify_4_and_8_ms": {k: round(1000 * v, 2) for k, v in verify.items()}}
     if real and packing_available(target.lm_head.weight):
         forms = {"plain": lambda: target.use_packed_weights(False), "packed": lambda: target.use_packed_weights(True)}
         record["packed"], timings = clearly_faster(target, forms, "packed", "plain", repeats)
@@ -292,7 +278,7 @@ def cached_cost_table(
     given: profiled once (seconds; a minute for a server's grid), then read from the dspark cache."""
     # The product forms, the batch sizes and the drafter's shape are part of the key: a table measured otherwise
     # would not fit.
-    form = ("wxt" if target.decoder.few_rows_transposed else "linear") + ("-packed" if target.decoder.packed else "")
+    form = "packed" if target.decoder.packed else "plain"
     form += "-compiled" if target.decoder.compiled is not None else ""
     rows = [] if tuple(batch_sizes) == (1,) else ["rows" + "_".join(map(str, batch_sizes))]
     drafting = [] if drafter is None else ["draft" + drafter_shape_key(drafter)]
@@ -406,7 +392,6 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
         "precision": asdict(choice),
         "batch_invariant": target.decoder.batch_invariant,
         "product_forms": {
-            "few_rows_transposed": target.decoder.few_rows_transposed,
             "packed": target.decoder.packed,
             "prefill": target.decoder.prefill_form,
             "float16_head": target.head_form == "float16",

@@ -393,26 +393,18 @@ def float16_row_counts() -> list[int]:
 # on (2-core AVX2-only EPYC, 2-300 rows): the same padding covers both forms.
 MIN_ROWS_FLOAT32 = 4
 
-# Products of this many rows at most (a verify of a few drafts) may run as (W @ xᵀ)ᵀ: the BLAS library picks its kernel
-# and its threading by shape. With MKL on a 2-core AVX2-only AMD EPYC, F.linear on 2-8 rows gained nothing from the
-# second thread and cost 1.6-3x one row; the transposed product used both and cost 1.1-1.3x (on one thread the two
-# tie). Target.choose_product_forms measures which form is faster on the machine.
-FEW_ROWS = 16
 
-
-def linear(
-    x: torch.Tensor, weight, bias: torch.Tensor | None = None, few_rows_transposed: bool = False, min_rows: int = 1
-) -> torch.Tensor:
+def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, min_rows: int = 1) -> torch.Tensor:
     """x @ weight.T (+ bias) for a float, packed, column-split, float16, int8 or int4 weight, or a RescoredHead (its
-    float32 logits); few_rows_transposed: 2..FEW_ROWS rows as (W @ xᵀ)ᵀ; min_rows: a float product of fewer rows runs
-    padded with zero rows to this many (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not
+    float32 logits); min_rows: a float product of fewer rows runs padded with zero rows to this many
+    (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not
     depend on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round
     differently from a verify)."""
     rows = x.numel() // x.shape[-1]
     # min_rows first: a compiled graph's row count is symbolic. The bias goes inside the padded product.
     if min_rows > 1 and rows < min_rows:
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, min_rows - rows))
-        return linear(padded, weight, bias, few_rows_transposed)[:rows].view(*x.shape[:-1], -1)
+        return linear(padded, weight, bias)[:rows].view(*x.shape[:-1], -1)
     if isinstance(weight, Int8Weight):
         out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
     elif isinstance(weight, Int4Weight):
@@ -430,8 +422,6 @@ def linear(
         n = weight.splits
         parts = linear(x.reshape(rows * n, -1), weight.stacked).view(rows, n, n, -1)
         out = torch.diagonal(parts, dim1=1, dim2=2).sum(-1)  # bfloat16 sums accumulate in float32, round once
-    elif few_rows_transposed and 2 <= rows <= FEW_ROWS:
-        out = (weight @ x.reshape(rows, -1).T).T
     else:
         return F.linear(x, weight, bias)
     out = out.view(*x.shape[:-1], out.shape[-1])
@@ -524,8 +514,7 @@ class LeanDecoder:
         # reductions (KSplitWeight). float16 (no fast CPU kernels) and GPUs keep the faster kernels.
         self.batch_invariant = self.embed.dtype in (torch.bfloat16, torch.float32) and self.embed.device.type == "cpu"
         self.min_rows = MIN_ROWS_FLOAT32 if self.batch_invariant and self.embed.dtype == torch.float32 else 1
-        self.few_rows_transposed = False  # both set by the machine's tuning (dspark.autotune), which measures them
-        self.packed: bool | None = None  # no product form chosen yet
+        self.packed: bool | None = None  # no product form chosen yet (the machine's tuning, dspark.autotune, does)
         self.compiled = None  # the one-row decode step as one compiled graph (compile), or eager
         self.pack(False)
         # A quantized decoder's float matrices, and the form it reads prompts with (use_prefill_form); None: prompts
@@ -675,7 +664,7 @@ class LeanDecoder:
         }
         q_size = self.heads * self.head_dim
         norm, eps = self.norm, self.eps
-        project = functools.partial(linear, few_rows_transposed=self.few_rows_transposed, min_rows=self.min_rows)
+        project = functools.partial(linear, min_rows=self.min_rows)
         wanted, captured = set(capture), {}
         matrices = self.prefill_weights if prefill and self.prefill_weights is not None else self.layers
         for i, p in enumerate(self.layers):

@@ -300,7 +300,7 @@ class Target:
         decoder = self.decoder
         if isinstance(self.head_weight, Float16Weight):
             hidden = hidden.float()  # its float32 sums, not rounded back to the activations' precision
-        logits = linear(hidden, self.head_weight, None, decoder.few_rows_transposed, decoder.min_rows).float()
+        logits = linear(hidden, self.head_weight, None, decoder.min_rows).float()
         cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
         return logits if not cap else torch.tanh(logits / cap) * cap
 

@@ -157,11 +157,6 @@ def run_engine_bench(
         context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
         ours = profile_target(target, counts, context, repeats)
         rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms))}
-        if target.decoder.few_rows_transposed:  # the few-row form this machine chose, beside the one it replaced
-            target.decoder.few_rows_transposed = False
-            replaced = profile_target(target, counts, context, repeats)
-            rows["ours, F.linear on few rows"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
-            target.decoder.few_rows_transposed = True
         if target.decoder.packed:  # the packed weights this machine chose, beside the plain ones
             replaced = profile_target(target.use_packed_weights(False), counts, context, repeats)
             rows["ours, weights not packed"] = dict(zip(replaced.token_counts, replaced.step_time_ms))

@@ -72,10 +72,6 @@ class CostTable:
                 return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
         return ys[-1]
 
-    def sps(self, tokens: int) -> float:
-        """Target steps per second at `tokens` tokens per verify forward."""
-        return 1000.0 / self.step_time(tokens)
-
     @cached_property
     def has_shapes(self) -> bool:
         """Whether the grid covers more than one batch size (else only the total-token curve is known)."""
