@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from dspark.decoder import float16_available
 from dspark.drafter import DSparkConfig, DSparkDrafter, new_drafter
+from dspark.products import float16_available
 from dspark.target import Target
 
 needs_fbgemm = pytest.mark.skipif(not float16_available(), reason="FBGEMM's float16 products are x86-only")

@@ -161,7 +161,7 @@ def test_a_drafter_loaded_for_a_packed_target_proposes_through_packed_matrices(t
     """load_drafter gives the drafter the target's product form: with packed bfloat16 weights its proposals keep to
     the unpacked drafter's (the same distributions up to bfloat16 rounding), its checkpoint is unchanged, and
     unpacking restores the very same products."""
-    from dspark.decoder import PackedLinear, packing_available
+    from dspark.products import PackedLinear, packing_available
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     if not packing_available(target.lm_head.weight):
@@ -197,7 +197,7 @@ def test_a_drafter_proposes_through_float16_products_near_its_own_and_back(monke
     """The float16 form (FBGEMM's weights, chosen where the target's LM head found them faster): every product a
     proposal makes goes through it, the proposals stay near the plain drafter's, and "plain" restores its exact
     products; an unknown form is refused."""
-    from dspark.decoder import Float16Weight, PackedLinear
+    from dspark.products import Float16Weight, PackedLinear
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     drafter = tiny_drafter(target, draft_vocab_size=40).to(torch.bfloat16).eval()
@@ -232,8 +232,8 @@ def test_a_drafter_proposes_through_float16_products_near_its_own_and_back(monke
 def test_a_draft_layers_stacked_products_compute_what_its_modules_do_until_a_weight_changes():
     """LayerProducts multiply q/k/v, k/v and gate/up as one packed product each: the layer's output is that of its
     own modules up to bfloat16 rounding; once a weight changes (training after packing) the modules run again."""
-    from dspark.decoder import packing_available
     from dspark.drafter.backbone import LayerProducts, context_kv, layer_forward
+    from dspark.products import packing_available
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     if not packing_available(target.lm_head.weight):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
-from dspark.decoder import Float32Weight
 from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
+from dspark.products import Float32Weight
 from dspark.target import Target
 
 
@@ -155,7 +155,7 @@ def test_engine_bench_races_the_compiled_int4_step_beside_the_eager_one(tiny_run
 def test_int4_weights_recover_a_q4_1_grid_exactly():
     """Weights that are a step and a minimum per group of 32 times 16 levels (what a Q4_1 file dequantizes to) come
     back exactly: multiplying the identity by them returns every weight."""
-    from dspark.decoder import Int4Weight, linear
+    from dspark.products import Int4Weight, linear
 
     torch.manual_seed(0)
     levels = torch.randint(0, 16, (48, 64)).float()
@@ -189,7 +189,7 @@ def test_a_quantized_target_reads_prompts_with_its_float_weights(kind):
     """A prefill of a quantized target multiplies by the bfloat16 weights it was quantized from (the quantized kernels'
     cost grows with every row): its cache is the bfloat16 target's, bit for bit, alone or beside other prompts, while a
     step after it computes with the quantized weights."""
-    from dspark.decoder import packing_available
+    from dspark.products import packing_available
 
     bf16 = tiny_target(eos=7, hidden=64, dtype=torch.bfloat16)
     bf16.use_packed_weights(packing_available(bf16.lm_head.weight))  # the form a quantized target's prefill takes
@@ -278,8 +278,8 @@ def test_the_lm_head_takes_float16_where_it_is_measured_faster_and_the_drafter_f
     float16 head, keeps the float16 one only where the two together are clearly faster, records it, and reads it
     back unmeasured; a drafter loaded for the target multiplies in the same form."""
     from dspark import autotune
-    from dspark.decoder import Float16Weight, PackedLinear
     from dspark.drafter import load_drafter
+    from dspark.products import Float16Weight, PackedLinear
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
     monkeypatch.setattr(autotune, "TIMED_HEAD_WEIGHTS", 0)  # the tiny head counts as one worth timing

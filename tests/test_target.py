@@ -5,9 +5,9 @@ import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
 from dspark.autotune import invariance_failures
-from dspark.decoder import MIN_ROWS_FLOAT32
 from dspark.decoding.plain import generate_plain
 from dspark.errors import DSparkError
+from dspark.products import MIN_ROWS_FLOAT32
 from dspark.sampling import SamplingParams
 from dspark.target import default_layer_ids
 
@@ -190,7 +190,7 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
     import json
 
     from dspark.autotune import choose_product_forms
-    from dspark.decoder import PackedWeight, linear, packing_available
+    from dspark.products import PackedWeight, linear, packing_available
 
     w, b = torch.randn(96, 64, dtype=dtype), torch.randn(96, dtype=dtype)
     if not packing_available(w):
@@ -218,9 +218,11 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
     assert streamed_bytes(target.use_packed_weights(True)) == streamed_bytes(target.use_packed_weights(False))
 
     monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
-    choose_product_forms(target, repeats=1)  # a tiny model is all Python: measured as not worth packing
+    choose_product_forms(target, repeats=1)  # measured once (a quiet machine finds a tiny model not worth packing)
     [saved] = (tmp_path / "kernels").glob(f"tiny-97-0-{str(dtype).removeprefix('torch.')}-*.json")
-    assert json.loads(saved.read_text())["packed"] is False
+    assert isinstance(json.loads(saved.read_text())["packed"], bool)
+    saved.write_text(json.dumps({"packed": False}))
+    assert not isinstance(choose_product_forms(target).head_weight, PackedWeight)
     saved.write_text(json.dumps({"packed": True}))  # as on the AMX Xeon
     assert isinstance(choose_product_forms(target).head_weight, PackedWeight)
     saved.write_text("{torn")
@@ -232,7 +234,7 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
 def test_a_column_split_product_is_the_sum_of_its_blocks_whatever_rows_share_it(packed):
     """decoder.KSplitWeight: one product of the stacked blocks gives, for every row, the float32 sum of its
     block-by-block products rounded once, and a row's result does not depend on the rows beside it."""
-    from dspark.decoder import MAX_INVARIANT_K, KSplitWeight, linear, packing_available
+    from dspark.products import MAX_INVARIANT_K, KSplitWeight, linear, packing_available
 
     torch.manual_seed(0)
     w = (0.05 * torch.randn(96, 2 * MAX_INVARIANT_K)).bfloat16()
@@ -252,7 +254,7 @@ def test_a_column_split_product_is_the_sum_of_its_blocks_whatever_rows_share_it(
 def test_a_packed_linear_keeps_the_layer_and_multiplies_what_the_weight_holds_now():
     """decoder.PackedLinear: the same parameters (state dict unchanged), a product close to F.linear's, F.linear
     itself once the weight changed after packing or where a gradient is wanted, and the nn.Linear back."""
-    from dspark.decoder import PackedLinear, PackedWeight, packing_available
+    from dspark.products import PackedLinear, PackedWeight, packing_available
 
     layer = torch.nn.Linear(64, 96).bfloat16()
     if not packing_available(layer.weight):
@@ -275,7 +277,7 @@ def test_a_packed_linear_keeps_the_layer_and_multiplies_what_the_weight_holds_no
 def test_folded_and_causal_attention_equal_grouped_attention_under_the_mask():
     """The CUDA forms (query heads folded into the query length; causal with no mask) compute what enable_gqa with
     the explicit mask computes; here on the CPU, forced."""
-    from dspark.decoder import attention
+    from dspark.attention import attention
     from dspark.kvcache import causal_visibility
 
     torch.manual_seed(0)
@@ -321,7 +323,7 @@ def test_float16_products_of_a_row_are_the_same_whatever_rows_share_them():
     """FBGEMM's kernels of 1-2 rows round unlike those of 3-6 on some CPUs: every count of rows is padded to one its
     kernels agree on, so each row of a product of 1..300 rows (several calls beyond FLOAT16_ROWS) is its product
     alone; the sums are float32 sums of float16 weights. Without the padding the rows differ."""
-    from dspark.decoder import FLOAT16_ROWS, Float16Weight, float16_row_counts, linear
+    from dspark.products import FLOAT16_ROWS, Float16Weight, float16_row_counts, linear
 
     g = torch.Generator().manual_seed(0)
     weight, rows = torch.randn(200, 576, generator=g).bfloat16(), torch.randn(300, 576, generator=g).bfloat16()
@@ -347,7 +349,7 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
     """A bfloat16 or int4 target whose LM head runs through FBGEMM's float16 weights: float32 logits near the
     bfloat16 head's, batch-invariant, and plain decoding equals speculative decoding; switching back restores the
     head it had."""
-    from dspark.decoder import Float16Weight, PackedWeight, dense
+    from dspark.products import Float16Weight, PackedWeight, dense
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     if quantize:
@@ -389,7 +391,7 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
 )
 @pytest.mark.slow
 def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
-    from dspark.decoder import packing_available
+    from dspark.products import packing_available
     from dspark.target import Target
 
     quantize = next((kind for kind in ("int8", "int4") if precision.startswith(kind)), None)
@@ -411,7 +413,7 @@ def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(pre
 
 
 def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone():
-    from dspark.decoder import RescoredHead
+    from dspark.products import RescoredHead
 
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 64, generator=g).bfloat16()  # a vocabulary the 4-bit kernel must pad (rows by 16)
@@ -456,7 +458,7 @@ def compiled_tiny():
 def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
     from torch._dynamo.utils import counters
 
-    from dspark.decoder import RescoredHead
+    from dspark.products import RescoredHead
 
     assert counters["stats"]["unique_graphs"] >= 2  # compile() built both graphs (one 64-key group, two)
     assert isinstance(compiled_tiny.head_weight, RescoredHead)  # its rows' logits too, checked below
@@ -484,7 +486,7 @@ def test_compiled_speculative_output_is_plain_output(compiled_tiny):
 def test_compiling_keeps_a_float16_head_the_machine_chose_and_else_rescores(monkeypatch, float16_head):
     """The compiled target's LM head: the float16 one where the machine's tuning chose it (it reads the head faster
     than the rescored 4-bit one where it was chosen), else the rescored head. The graph itself is not built here."""
-    from dspark.decoder import Float16Weight, RescoredHead
+    from dspark.products import Float16Weight, RescoredHead
 
     target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").use_float16_head(float16_head)
     monkeypatch.setattr(target.decoder, "compile", lambda: None)

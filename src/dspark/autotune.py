@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from dspark.decoder import PREFILL_FORMS, packing_available
+from dspark.decoder import PREFILL_FORMS
 from dspark.errors import DSparkError
 from dspark.fsutil import atomic_write_json
 from dspark.models import machine_cache_file, machine_cache_files
+from dspark.products import packing_available
 from dspark.scheduling.profile import CostTable, profile_target
 from dspark.target import Target, load_precision
 
@@ -239,7 +240,7 @@ def clearly_faster(target: Target, forms: dict, form: str, than: str, repeats: i
 
 def choose_product_forms(target: Target, repeats: int = 3) -> Target:
     """Run the products in the form that is faster on this machine: where oneDNN runs the precision, packed weights
-    or not (decoder.PackedWeight). Real forwards of 1 and 8 new tokens are timed in each form once per machine,
+    or not (products.PackedWeight). Real forwards of 1 and 8 new tokens are timed in each form once per machine,
     precision and thread count (a few seconds), then read from the dspark cache."""
     path = machine_cache_file("kernels", target.name, target.precision)
     record = tuning_record(

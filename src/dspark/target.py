@@ -17,19 +17,18 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from dspark import models
-from dspark.decoder import (
+from dspark.decoder import LeanDecoder, real_positions
+from dspark.errors import DSparkError
+from dspark.kvcache import GRANULE, KVCache
+from dspark.products import (
     Float16Weight,
     Int8Weight,
-    LeanDecoder,
     PackedWeight,
     RescoredHead,
     float16_available,
     linear,
     packing_available,
-    real_positions,
 )
-from dspark.errors import DSparkError
-from dspark.kvcache import GRANULE, KVCache
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -305,7 +304,7 @@ class Target:
         return logits if not cap else torch.tanh(logits / cap) * cap
 
     def use_packed_weights(self, packed: bool) -> Target:
-        """Every matrix the decode step streams, LM head included, as decoder.PackedWeight (or not); a float16 head
+        """Every matrix the decode step streams, LM head included, as products.PackedWeight (or not); a float16 head
         (use_float16_head) stays, and returns to this form when switched off."""
         self.decoder.pack(packed)
         head = PackedWeight(self.lm_head.weight.data) if packed else self.lm_head.weight
@@ -323,7 +322,7 @@ class Target:
 
     @property
     def float16_head_possible(self) -> bool:
-        """Whether the LM head may run as decoder.Float16Weight: a bfloat16 head (bfloat16 and int4 targets) on a CPU
+        """Whether the LM head may run as products.Float16Weight: a bfloat16 head (bfloat16 and int4 targets) on a CPU
         with FBGEMM, not compiled. Its weights convert exactly (but for entries below 2^-14); float32 keeps its own."""
         return (
             self.device.type == "cpu"
@@ -334,7 +333,7 @@ class Target:
         )
 
     def use_float16_head(self, on: bool) -> Target:
-        """The LM head as decoder.Float16Weight, FBGEMM's float16 weights with float32 sums (float32 logits), or back
+        """The LM head as products.Float16Weight, FBGEMM's float16 weights with float32 sums (float32 logits), or back
         to the form it had. Where bfloat16 is emulated it reads the head several times faster at a verify's rows
         (dspark.autotune.choose_head_form measures it); a row's logits still do not depend on the rows beside it."""
         if on and not isinstance(self.head_weight, Float16Weight):
@@ -372,7 +371,7 @@ class Target:
         return self
 
     def use_rescored_head(self) -> Target:
-        """The LM head for one request at a time (decoder.RescoredHead): 4-bit scores for every token, the best 64
+        """The LM head for one request at a time (products.RescoredHead): 4-bit scores for every token, the best 64
         scored again exactly. One row reads the head in ~1.4 instead of ~3 ms (49,152 x 576, 2 threads); from ~8
         rows on it costs more than the bfloat16 head, so only a compiled target, which never batches, takes it."""
         self.head_weight = RescoredHead(self.lm_head.weight.data)

@@ -45,7 +45,7 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 def streamed_bytes(target) -> int:
     """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
     (int8 and int4 matrices at their packed size plus their scales); the embedding lookup reads one row."""
-    from dspark.decoder import Int4Weight, Int8Weight, dense
+    from dspark.products import Int4Weight, Int8Weight, dense
 
     def size(w) -> int:
         if w is None:

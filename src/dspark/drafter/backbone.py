@@ -14,8 +14,10 @@ import importlib
 import torch
 from torch import nn
 
-from dspark.decoder import PRODUCT_FORMS, attention, linear, rotate
+from dspark.attention import attention
+from dspark.decoder import rotate
 from dspark.errors import DSparkError
+from dspark.products import PRODUCT_FORMS, linear
 
 
 def backbone_layout(target_config, backbone: str):

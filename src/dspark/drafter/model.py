@@ -15,8 +15,14 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from dspark.decoder import (
-    GEMMA_FAMILIES,
+from dspark.decoder import GEMMA_FAMILIES
+from dspark.drafter.backbone import LayerProducts, backbone_layout, check_layer_layout, context_kv, layer_forward
+from dspark.drafter.config import DSparkConfig
+from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
+from dspark.errors import DSparkError
+from dspark.fsutil import atomic_dir
+from dspark.kvcache import KVCache
+from dspark.products import (
     PRODUCT_FORMS,
     Float16Weight,
     PackedLinear,
@@ -25,12 +31,6 @@ from dspark.decoder import (
     linear,
     packing_available,
 )
-from dspark.drafter.backbone import LayerProducts, backbone_layout, check_layer_layout, context_kv, layer_forward
-from dspark.drafter.config import DSparkConfig
-from dspark.drafter.heads import MARKOV_HEADS, ConfidenceHead
-from dspark.errors import DSparkError
-from dspark.fsutil import atomic_dir
-from dspark.kvcache import KVCache
 from dspark.proposer import Proposal
 from dspark.sampling import Sampling, all_greedy, rows_to_probs, sample_rows
 
@@ -327,7 +327,7 @@ class DSparkDrafter(nn.Module):
         """For inference: every matrix a proposal multiplies by in one of decoder.PRODUCT_FORMS ("packed": oneDNN's
         packed weights, as the target's; "float16": FBGEMM's, where the machine's tuning found them faster for the
         target's LM head), or "plain" back: the draft layers' through LayerProducts (the matrices that read one
-        input stacked into one product), the others through decoder.PackedLinear. A form this machine lacks is
+        input stacked into one product), the others through products.PackedLinear. A form this machine lacks is
         plain. Parameters and checkpoints are unchanged. Drafts need not be bitwise the same in every form:
         verification decides what is emitted (1 row, γ = 7: 2-core EPYC with AVX-512-BF16, 4.2 -> 3.4 ms packed;
         2-core AVX2-only EPYC, where bfloat16 is emulated, 16 -> 8 ms in float16)."""
