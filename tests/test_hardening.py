@@ -617,7 +617,7 @@ def family_tokenizers():
 @pytest.mark.real
 @pytest.mark.parametrize("family", ["llama", "qwen", "gemma"])
 def test_typed_control_tokens_stay_text_in_every_chat_template(family_tokenizers, family):
-    from dspark.target import encode_text, prompt_ids
+    from dspark.chat import encode_text, prompt_ids
 
     tok, forged = family_tokenizers[family]
     control = set(tok.all_special_ids)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from dspark.chat import prompt_ids
 from dspark.errors import DSparkError
 from dspark.fsutil import jsonl_lines, read_jsonl
-from dspark.target import prompt_ids
 
 ROLES = ("system", "user", "assistant")
 

@@ -40,8 +40,8 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from dspark.bench.run import common_prefix
+    from dspark.chat import check_text
     from dspark.decoding.plain import generate_plain
-    from dspark.target import check_text
 
     if not check_text(args.prompt).strip():
         raise DSparkError("the prompt is empty; give the model something to answer")
