@@ -137,7 +137,7 @@ def test_a_drafter_with_an_answer_index_drafts_beside_suffix_decoding_by_default
     _, data = tiny_run
     folder, ckpt, target = saved_drafter
     assert not isinstance(load_proposer(ckpt, target), HybridProposer)  # no index: the drafter alone
-    code, err = run_cli(capsys, "suffix-index", "--data", data, "--out", ckpt, "--count", 10, "--calibrate", 0)
+    code, err = run_cli(capsys, "suffix-index", "--data", data, "--out", ckpt, "--count", 10)
     assert code == 0 and (ckpt / ANSWER_INDEX).is_file(), err
     hybrid = load_proposer(ckpt, target)
     assert isinstance(hybrid, HybridProposer) and len(hybrid.tree.trees.cached_requests) == 10
@@ -240,7 +240,7 @@ def test_suffix_index_calibrates_and_the_bench_reports_tau_memory_and_calibratio
 
     folder, data = tiny_run
     _, ckpt, _ = saved_drafter
-    index_args = ["suffix-index", "--data", data, "--out", ckpt, "--count", 20, "--model", folder]
+    index_args = ["suffix-index", "--data", data, "--out", ckpt, "--count", 20, "--model", folder, "--calibrate", 200]
     code, err = run_cli(capsys, *index_args, "--holdout", 0.3)
     assert code == 0 and "calibrated the trees' probabilities on" in err, err
     table = read_tree_calibration(ckpt / ANSWER_INDEX)

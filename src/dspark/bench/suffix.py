@@ -13,17 +13,19 @@ read as the tree's confidence).
 
 from __future__ import annotations
 
-import gc
+import json
 import random
+import subprocess
+import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
 import torch
 
 from dspark.bench.report import save_figure, section_header
-from dspark.drafter.suffix import MATCH_BUCKETS, SuffixProposer, match_bucket
+from dspark.drafter.suffix import MATCH_BUCKETS, SuffixProposer, match_bucket, write_answer_index
 from dspark.sampling import SamplingParams
 from dspark.scheduling.calibration import ece, fit_platt
 
@@ -126,9 +128,32 @@ def unseen_pairs(held: list[tuple], seen: list[list[int]], count: int) -> list[t
     return [pairs[i * len(pairs) // count] for i in range(count)] if len(pairs) > count else pairs
 
 
-def rss_mb() -> float:
-    gc.collect()
-    return psutil.Process().memory_info().rss / 2**20
+# Run in a fresh process, so that memory this one freed earlier cannot hide what the tree takes.
+_BUILD_TREE = """
+import gc, json, sys, time
+import psutil
+from dspark.drafter.suffix import SuffixProposer, read_answer_index
+answers = read_answer_index(sys.argv[1])
+gc.collect()
+before, start = psutil.Process().memory_info().rss, time.perf_counter()
+tree = SuffixProposer(int(sys.argv[2]), int(sys.argv[3]), answers, max_cached=max(len(answers), 1), isolate=True)
+seconds = time.perf_counter() - start
+print(json.dumps({"memory_mb": (psutil.Process().memory_info().rss - before) / 2**20, "load_seconds": seconds}))
+"""
+
+
+def tree_cost(answers: list[list[int]], vocab_size: int, block_size: int) -> dict:
+    """The memory a global tree of these answers takes and the seconds it takes to build, in a fresh process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        index = Path(tmp) / "answers.safetensors"
+        write_answer_index(answers, index)
+        out = subprocess.run(
+            [sys.executable, "-c", _BUILD_TREE, str(index), str(vocab_size), str(block_size)],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    return json.loads(out.stdout)
 
 
 def run_suffix_bench(
@@ -141,29 +166,26 @@ def run_suffix_bench(
     progress=print,
 ) -> dict:
     """pool: answers the global tree may load (drawn in a seeded order, the smaller trees' answers a prefix of the
-    larger ones'); held_out: (prompt, answer) pairs walked against each tree. Every tree stays alive until the run
-    ends, so each one's memory is what the process grew by while it was built."""
+    larger ones'); held_out: (prompt, answer) pairs walked against each tree. Each tree's memory and build time are
+    measured in a process of its own (what its resident memory grew by while the tree was built)."""
     random.Random(seed).shuffle(pool)
-    trees, rows, drafted = [], [], []
+    rows, drafted = [], []
     for size in sorted(sizes):
-        before, start = rss_mb(), time.perf_counter()
+        cost = tree_cost(pool[:size], vocab_size, block_size)
         proposer = SuffixProposer(vocab_size, block_size, pool[:size], max_cached=max(size, 1), isolate=True)
-        seconds = time.perf_counter() - start
-        grown = rss_mb() - before
-        trees.append(proposer)
         produced, drafted, walk_seconds = walk_all(proposer, held_out)
+        del proposer
         row = {
             "answers": min(size, len(pool)),
             "tokens": sum(map(len, pool[:size])),
             "tau": round(sum(produced) / len(produced), 3),
             "rounds": len(produced),
-            "memory_mb": round(grown, 1),
-            "load_seconds": round(seconds, 2),
+            "memory_mb": round(cost["memory_mb"], 1),
+            "load_seconds": round(cost["load_seconds"], 2),
             "ms_per_round": round(1000 * walk_seconds / len(produced), 3),
         }
         rows.append(row)
         progress(row)
-    del trees
     fit = [p for answer in drafted[0::2] for p in answer]  # half the answers fit the scaling, the rest judge it
     judged = [p for answer in drafted[1::2] for p in answer]
     table = fit_tree_calibration(fit, block_size)
@@ -213,8 +235,8 @@ def suffix_section(run: dict, command: str, plot: str, name: str = "suffix") -> 
         f"Machine: {m['cpu']}, torch {m['torch']}. No model runs: {run['held_out']} held-out answers the target "
         f"wrote greedily ({run['held_out_tokens']} tokens, from {', '.join(run['data'])}) decoded against their own "
         f"text, up to {run['block_size']} drafts a round from the trees of the prompt, the answer so far and a "
-        f"global tree of answers drawn from the other {run['pool']} answers. Memory: what the process grew by while "
-        "the tree was built.",
+        f"global tree of answers drawn from the other {run['pool']} answers. Memory: what a fresh process grew by while "
+        "it built the tree.",
         "",
         "| answers in the global tree | tokens | τ | memory (MB) | load (s) | ms per round |",
         "| --- | --- | --- | --- | --- | --- |",
