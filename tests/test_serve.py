@@ -322,11 +322,15 @@ def test_shutdown_lets_in_flight_requests_finish(tiny):
 
 @pytest.mark.slow
 def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
-    """`bench serve` mechanics on the tiny target: every policy at every level and repetition, the server's round
-    metrics per level, intervals, matched throughput, the goals, both plots; a second run resumes from its log."""
+    """`bench serve` mechanics on the tiny target with the hybrid: every policy at every level and repetition, the
+    server's round metrics per level, intervals, matched throughput, the goals, both plots; a second run resumes from
+    its log."""
     from dspark.bench import serve as bench_serve
     from dspark.bench.run import machine_info
     from dspark.bench.serve_report import serve_plots, serve_section
+    from dspark.drafter import load_proposer
+    from dspark.drafter.hybrid import HybridProposer
+    from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
     from dspark.scheduling.profile import CostTable
 
     target, drafter = tiny
@@ -334,6 +338,9 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     table = CostTable([1, 8], [10.0, 12.0], {"grid": grid, "draft": [{"batch_size": 1, "ms": 2.0}]})
     monkeypatch.setattr("dspark.autotune.cached_cost_table", lambda _t, **_: table)
     drafter.save(tmp_path / "drafter", target.identity())
+    write_answer_index([[int(t) for t in target.encode_text(words(9))]], tmp_path / "drafter" / ANSWER_INDEX)
+    drafter = load_proposer(tmp_path / "drafter", target, isolate=True)  # the default: beside suffix decoding
+    assert isinstance(drafter, HybridProposer)
     out = tmp_path / "out"
     out.mkdir()
 

@@ -255,3 +255,22 @@ def test_suffix_index_calibrates_and_the_bench_reports_tau_memory_and_calibratio
     assert "| position 1 |" in (out / "suffix.md").read_text() and (out / "suffix.png").stat().st_size > 1000
     code, err = run_cli(capsys, *index_args, "--holdout", 1.5)
     assert code == 2 and "--holdout" in err
+
+
+def test_suffix_decoding_reads_the_tokens_of_rounds_that_drafted_nothing():
+    """A scheduler may skip drafting for a round; the tokens of such rounds reach the proposer later, and suffix
+    decoding alone asks the target for no features."""
+    from dspark.decoding.policy import FixedLength
+
+    class EveryOtherRound(FixedLength):
+        rounds = 0
+
+        def drafts(self, rows):
+            self.rounds += 1
+            return self.rounds % 2 == 0
+
+    target, prompts, expected = target_and_answers()
+    for proposer in (SuffixProposer(target.vocab_size, block_size=4), tiny_drafter(target, block_size=4)):
+        results = SpeculativeEngine(target, proposer, EveryOtherRound()).generate(prompts, 40)
+        assert [r.token_ids for r in results] == expected
+        assert all(0 < r.stats.drafted_rounds < r.stats.rounds for r in results)

@@ -27,6 +27,7 @@ import torch
 
 from dspark.decoding.engine import SpeculativeEngine
 from dspark.decoding.policy import ConfidenceThreshold, FixedLength, VerifyPolicy
+from dspark.drafter.hybrid import attune
 from dspark.scheduling.calibration import ece_from_bins
 from dspark.scheduling.profile import batch_sizes_up_to
 from dspark.serve.app import ServeConfig, create_app
@@ -42,13 +43,17 @@ def policies(
     target, drafter, drafter_path, fixed_lengths=(1, 2, 3, 4, 5, 6, 7), thresholds=(0.5,), batch_sizes=(1,)
 ) -> dict[str, tuple[bool, VerifyPolicy | None]]:
     """label -> (uses the drafter, policy or None); the schedulers plan with the cost of these batch sizes."""
+    from dspark.drafter import model_drafter
     from dspark.scheduling.planner import build_scheduler
 
     out: dict[str, tuple[bool, VerifyPolicy | None]] = {"plain": (False, None)}
     out.update({f"fixed {n}": (True, FixedLength(n)) for n in fixed_lengths})
     out.update({f"threshold {t}": (True, ConfidenceThreshold(t)) for t in thresholds})
     for kind in SCHEDULED:
-        out[kind] = (True, build_scheduler(target, drafter_path, kind=kind, batch_sizes=batch_sizes, drafter=drafter))
+        scheduler = build_scheduler(
+            target, drafter_path, kind=kind, batch_sizes=batch_sizes, drafter=model_drafter(drafter)
+        )
+        out[kind] = (True, scheduler)
     return out
 
 
@@ -201,7 +206,7 @@ def run_serve_bench(
                 todo = [c for c in concurrencies if (rep, label, c) not in done]
                 if not todo:
                     continue
-                engine = SpeculativeEngine(target, drafter if speculative else None, policy)
+                engine = SpeculativeEngine(target, attune(drafter, policy) if speculative else None, policy)
                 config = ServeConfig("bench", max_batch=max(concurrencies), max_concurrent=2 * max(concurrencies))
                 with LocalServer(create_app(engine, target.tokenizer, config)) as server:
                     clients.submit(drive, server.url, "bench", prompts, 1, 1, 1, 4).result()  # warm-up

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from dspark.cli.args import (
+    add_suffix_arg,
     add_target_args,
     finite_float,
     keep_a_core_for_serving,
@@ -20,7 +21,12 @@ ALL_SETS = ["gsm8k", "math500", "humaneval", "mbpp", "mt-bench"]
 def register(sub) -> None:
     p = sub.add_parser("serve", help="the server under load: latency and throughput per verification policy")
     add_target_args(p)
-    p.add_argument("--drafter", help="drafter for the speculative policies (default: the shipped one)")
+    p.add_argument(
+        "--drafter",
+        help="drafter for the speculative policies (default: the shipped one, beside suffix decoding where it ships an "
+        "answer index; the trees are isolated, so no level drafts from the answers an earlier one served)",
+    )
+    add_suffix_arg(p)
     p.add_argument("--concurrency", type=positive_int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--min-requests", type=positive_int, default=64, help="a level ends after this many requests ...")
     p.add_argument("--min-tokens", type=positive_int, default=3000, help="... or this many generated tokens")
@@ -43,7 +49,7 @@ def run(args) -> int:
     from dspark.autotune import cached_cost_table
     from dspark.bench.serve import run_serve_bench, summarise
     from dspark.bench.serve_report import serve_plots, serve_section
-    from dspark.drafter import load_drafter
+    from dspark.drafter import load_proposer, model_drafter
     from dspark.scheduling.profile import batch_sizes_up_to
 
     drafter_path = args.drafter or shipped_drafter(args.model)
@@ -53,7 +59,7 @@ def run(args) -> int:
     prompts = [p for group in zip(*by_set) for p in group]
     keep_a_core_for_serving(args)
     target = load_target(args)
-    drafter = load_drafter(drafter_path, target)
+    drafter = load_proposer(drafter_path, target, args.suffix, isolate=True)
     rows = run_serve_bench(
         target,
         drafter,
@@ -69,7 +75,9 @@ def run(args) -> int:
         tuple(args.thresholds),
         progress=lambda line: print(line, file=sys.stderr),
     )
-    cost = cached_cost_table(target, batch_sizes=batch_sizes_up_to(max(args.concurrency)), drafter=drafter)
+    cost = cached_cost_table(
+        target, batch_sizes=batch_sizes_up_to(max(args.concurrency)), drafter=model_drafter(drafter)
+    )
     run = {
         "rows": rows,
         "summary": summarise(rows),
