@@ -104,8 +104,8 @@ def test_served_answers_join_the_global_tree_unless_requests_are_kept_apart(isol
 def test_an_answer_index_round_trips(tmp_path):
     answers = [[5, 6, 7], [1], [9, 9, 9, 9]]
     write_answer_index(answers, tmp_path / "a.safetensors")
-    assert read_answer_index(tmp_path / "a.safetensors") == answers
-    assert read_answer_index(tmp_path / "a.safetensors", limit=2) == answers[:2]
+    assert read_answer_index(tmp_path / "a.safetensors") == (answers, None)
+    assert read_answer_index(tmp_path / "a.safetensors", limit=2).answers == answers[:2]
     (tmp_path / "bad.safetensors").write_text("not an index")
     with pytest.raises(Exception, match="not a suffix answer index"):
         read_answer_index(tmp_path / "bad.safetensors")
@@ -233,7 +233,7 @@ def test_suffix_index_calibrates_and_the_bench_reports_tau_memory_and_calibratio
     import json
 
     from conftest import run_cli
-    from dspark.drafter.suffix import ANSWER_INDEX, MATCH_BUCKETS, read_tree_calibration
+    from dspark.drafter.suffix import ANSWER_INDEX, MATCH_BUCKETS
 
     def hybrid_block(path):
         return json.loads((path / "config.json").read_text())["drafter"]["block_size"]
@@ -243,7 +243,7 @@ def test_suffix_index_calibrates_and_the_bench_reports_tau_memory_and_calibratio
     index_args = ["suffix-index", "--data", data, "--out", ckpt, "--count", 20, "--model", folder, "--calibrate", 200]
     code, err = run_cli(capsys, *index_args, "--holdout", 0.3)
     assert code == 0 and "calibrated the trees' probabilities on" in err, err
-    table = read_tree_calibration(ckpt / ANSWER_INDEX)
+    table = read_answer_index(ckpt / ANSWER_INDEX).calibration
     assert table is not None and table.shape == (len(MATCH_BUCKETS), hybrid_block(ckpt), 2)
     out = ckpt.parent / "bench-suffix"
     args = ["bench", "suffix", "--model", folder, "--data", data, "--holdout", 0.3, "--sizes", 0, 10, "--out", out]

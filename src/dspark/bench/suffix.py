@@ -133,7 +133,7 @@ _BUILD_TREE = """
 import gc, json, sys, time
 import psutil
 from dspark.drafter.suffix import SuffixProposer, read_answer_index
-answers = read_answer_index(sys.argv[1])
+answers = read_answer_index(sys.argv[1]).answers
 gc.collect()
 before, start = psutil.Process().memory_info().rss, time.perf_counter()
 tree = SuffixProposer(int(sys.argv[2]), int(sys.argv[3]), answers, max_cached=max(len(answers), 1), isolate=True)

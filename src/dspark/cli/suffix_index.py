@@ -71,11 +71,11 @@ def calibrate(args, kept: list[list[int]], out: Path):
     """The trees' Platt scaling per match group and position, fitted on held-out answers walked against a global
     tree of the kept ones."""
     from dspark.bench.suffix import fit_tree_calibration, reliability, split_answers, unseen_pairs, walk_all
-    from dspark.drafter import read_checkpoint_meta
+    from dspark.drafter.registry import drafter_beside
     from dspark.drafter.suffix import SuffixProposer
     from dspark.target import Target
 
-    drafter = read_checkpoint_meta(out.parent) if (out.parent / "config.json").is_file() else None
+    drafter = drafter_beside(out)
     block = drafter["drafter"].get("block_size", 7) if drafter else 7
     target = Target.load(args.model or (drafter["target"].get("name_or_path") if drafter else DEFAULT_TARGET))
     _, held = split_answers(target, args.data, args.holdout, args.max_length)

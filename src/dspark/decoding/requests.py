@@ -105,13 +105,12 @@ def without_early_stops(logits: torch.Tensor, requests: list[RequestState]) -> t
     end the output before its min_tokens. The distribution decoding samples from (or takes the argmax of) is this
     one, in plain and in speculative decoding alike, so speculation stays lossless; log-probabilities stay the raw
     ones. The logits themselves are returned where no request needs it."""
-    short = [(b, r.min_tokens - len(r.output), sorted(r.stop_token_ids)) for b, r in enumerate(requests)]
-    short = [(b, n, stops) for b, n, stops in short if n > 0 and stops]
-    if not short:
+    short = [(b, r) for b, r in enumerate(requests) if r.min_tokens > len(r.output) and r.stop_token_ids]
+    if not short:  # every step of every request passes here: nothing is built unless a request needs it
         return logits
     logits = logits.clone()
-    for b, n, stops in short:
-        logits[b, :n, stops] = float("-inf")
+    for b, r in short:
+        logits[b, : r.min_tokens - len(r.output), sorted(r.stop_token_ids)] = float("-inf")
     return logits
 
 

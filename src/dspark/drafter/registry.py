@@ -206,6 +206,11 @@ def answer_index_of(spec) -> Path | None:
     return path / ANSWER_INDEX if path.is_dir() else path
 
 
+def drafter_beside(index: Path) -> dict | None:
+    """The checkpoint config of the drafter whose folder holds this answer index (None for an index elsewhere)."""
+    return read_checkpoint_meta(index.parent) if (index.parent / "config.json").is_file() else None
+
+
 def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate: bool = False):
     """A drafter checkpoint folder, `ngram:DATA` for the n-gram proposer built from a regenerated data file, `suffix`
     for suffix decoding alone (`suffix:PATH`: its global tree filled from PATH's answer index), or
@@ -214,9 +219,9 @@ def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate:
     are installed; the global tree is filled from that index. isolate: served answers never join the global tree."""
     from dspark.drafter.suffix import (
         ANSWER_INDEX,
+        AnswerIndex,
         SuffixProposer,
         read_answer_index,
-        read_tree_calibration,
         suffix_trees_available,
     )
 
@@ -227,10 +232,9 @@ def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate:
     checkpoint = checkpoint_of(spec)
     if checkpoint is None:
         index = answer_index_of(spec)
-        answers = read_answer_index(index) if index is not None else []
-        calibration = read_tree_calibration(index) if index is not None else None
-        folder = Path(str(spec).removeprefix(SUFFIX_PREFIX))
-        block = read_checkpoint_meta(folder)["drafter"].get("block_size", 7) if folder.is_dir() else 7
+        answers, calibration = read_answer_index(index) if index is not None else AnswerIndex([], None)
+        beside = drafter_beside(index) if index is not None else None
+        block = beside["drafter"].get("block_size", 7) if beside else 7  # as many drafts as the drafter's rounds
         if calibration is not None:
             block = calibration.shape[1]
         return SuffixProposer(target.vocab_size, block, answers, isolate=isolate, calibration=calibration)
@@ -244,7 +248,7 @@ def load_proposer(spec: str | Path, target, suffix: bool | None = None, isolate:
         return drafter
     from dspark.drafter.hybrid import MIN_MATCH, HybridProposer
 
-    answers, calibration = (read_answer_index(index), read_tree_calibration(index)) if index.is_file() else ([], None)
+    answers, calibration = read_answer_index(index) if index.is_file() else AnswerIndex([], None)
     tree = SuffixProposer(
         target.vocab_size, drafter.block_size, answers, isolate=isolate, min_match=MIN_MATCH, calibration=calibration
     )

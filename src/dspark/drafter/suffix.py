@@ -15,6 +15,7 @@ import math
 import os
 from itertools import count
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -211,20 +212,17 @@ def is_answer_index(path: str | Path) -> bool:
         return False
 
 
-def read_answer_index(path: str | Path, limit: int | None = None) -> list[list[int]]:
-    """The first `limit` answers of an index (all of them without a limit)."""
+class AnswerIndex(NamedTuple):
+    answers: list[list[int]]
+    calibration: torch.Tensor | None  # None in an index written without one
+
+
+def read_answer_index(path: str | Path, limit: int | None = None) -> AnswerIndex:
+    """The first `limit` answers of an index (all of them without a limit), and its calibration."""
     try:
         data = load_file(str(path))
         tokens, offsets = data["tokens"].tolist(), data["offsets"].tolist()
     except Exception as e:  # safetensors reports damage with its own exception types
         raise DSparkError(f"{path} is not a suffix answer index ({e}); rebuild it or leave out --suffix") from e
     ends = list(zip(offsets, offsets[1:]))[:limit]
-    return [tokens[a:b] for a, b in ends]
-
-
-def read_tree_calibration(path: str | Path) -> torch.Tensor | None:
-    """The calibration stored in an answer index (None in an index written without one)."""
-    try:
-        return load_file(str(path)).get("calibration")
-    except Exception as e:  # safetensors reports damage with its own exception types
-        raise DSparkError(f"{path} is not a suffix answer index ({e}); rebuild it or leave out --suffix") from e
+    return AnswerIndex([tokens[a:b] for a, b in ends], data.get("calibration"))
