@@ -154,28 +154,7 @@ def run_engine_bench(
                     0
                 ].token_ids
             del exact
-        context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
-        ours = profile_target(target, counts, context, repeats)
-        rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms))}
-        if target.decoder.packed:  # the packed weights this machine chose, beside the plain ones
-            replaced = profile_target(target.use_packed_weights(False), counts, context, repeats)
-            rows["ours, weights not packed"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
-            target.use_packed_weights(True)
-        if not target.quantized:  # the HF model is not quantized: nothing to compare with there
-            rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
-        if llm is not None and dtype == dtypes[0]:
-            rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
-        bound = round(streamed_bytes(target) / (run["bandwidth_gbs"] * 1e9) * 1000, 2)
-        for engine, times in rows.items():
-            run["forward"].append(
-                {
-                    "dtype": dtype if engine != "llama.cpp" else "Q4_1",
-                    "engine": engine,
-                    "ms": {str(n): ms for n, ms in times.items()},
-                }
-            )
-            progress(f"{dtype} {engine}: {times}")
-        run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
+        forward_rows(run, target, dtype, counts, context, repeats, llm if dtype == dtypes[0] else None, progress)
 
         # llama.cpp decodes beside our eager rows and again beside the compiled ones: minutes apart, the host drifts.
         decode = functools.partial(
@@ -203,6 +182,36 @@ def run_engine_bench(
             decode(label=f"{dtype}, compiled")
         del target
     return run
+
+
+def forward_rows(run, target, dtype: str, counts, context: int, repeats: int, llm, progress) -> None:
+    """Milliseconds per forward of each count of new tokens on a cached context, one row per engine in
+    run["forward"]: ours, ours with plain weights where the machine packs them, HF for an unquantized target,
+    llama.cpp when given, and the memory-bandwidth bound."""
+    from dspark.scheduling.profile import profile_target
+
+    context_ids = torch.randint(0, min(5000, target.vocab_size), (1, context))
+    ours = profile_target(target, counts, context, repeats)
+    rows = {"ours": dict(zip(ours.token_counts, ours.step_time_ms))}
+    if target.decoder.packed:  # the packed weights this machine chose, beside the plain ones
+        replaced = profile_target(target.use_packed_weights(False), counts, context, repeats)
+        rows["ours, weights not packed"] = dict(zip(replaced.token_counts, replaced.step_time_ms))
+        target.use_packed_weights(True)
+    if not target.quantized:  # the HF model is not quantized: nothing to compare with there
+        rows["hf"] = hf_forward_ms(target, context_ids, counts, repeats)
+    if llm is not None:
+        rows["llama.cpp"] = llama_forward_ms(llm, context_ids[0].tolist(), counts, repeats)
+    bound = round(streamed_bytes(target) / (run["bandwidth_gbs"] * 1e9) * 1000, 2)
+    for engine, times in rows.items():
+        run["forward"].append(
+            {
+                "dtype": dtype if engine != "llama.cpp" else "Q4_1",
+                "engine": engine,
+                "ms": {str(n): ms for n, ms in times.items()},
+            }
+        )
+        progress(f"{dtype} {engine}: {times}")
+    run["forward"].append({"dtype": dtype, "engine": "bandwidth bound", "ms": {"1": bound}})
 
 
 def decode_rows(run, target, label, drafter_path, datasets, max_new_tokens, reference, llms, progress) -> None:

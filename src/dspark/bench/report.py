@@ -75,6 +75,82 @@ def goals(results: list[dict], drafter_labels: list[str]) -> list[str]:
     return lines
 
 
+def drafters_table(drafters: dict) -> list[str]:
+    """Each drafter's shape, memory and training, one row per label."""
+    out = [
+        "Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
+        "draft vocabulary is reduced; embedding and LM head are otherwise shared):",
+        "",
+        "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | training legs | "
+        "train tokens | steps | CPU core-hours | GPU-hours |",
+        "| --- " * 13 + "|",
+    ]
+    for label, d in drafters.items():
+        t = d.get("training") or {}  # totals over every leg of the drafter's lineage
+        out.append(
+            f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
+            f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {t.get('legs') or '–'} | "
+            f"{t.get('tokens') or '–'} | {t.get('steps') or '–'} | {t.get('core_hours') or '–'} | "
+            f"{t.get('gpu_hours') or '–'} |"
+        )
+    return out + [""]
+
+
+def speed_table(
+    cell: dict, methods: list[str], datasets: list[str], drafter_labels: list[str], temp: float
+) -> list[str]:
+    """Tokens/s and speed-up per method and set, τ per set and outputs identical to plain decoding."""
+    identical = (
+        "identical to plain (float32: must be all)"
+        if temp == 0
+        else "identical to plain (sampling: not expected; the distribution is what matches)"
+    )
+    out = [
+        "| method | " + " | ".join(f"{d} tok/s (× plain)" for d in datasets) + f" | τ per set | {identical} |",
+        "| --- " * (len(datasets) + 3) + "|",
+    ]
+    for m in methods:
+        cells = [
+            f"{cell[(m, d)]['tokens_per_s']:.1f} ({cell[(m, d)]['speedup_vs_plain']:.2f}x)" if (m, d) in cell else "–"
+            for d in datasets
+        ]
+        taus = " / ".join(_fmt(cell[(m, d)].get("tau")) for d in datasets if (m, d) in cell)
+        same = sum(cell[(m, d)]["identical_to_plain"] for d in datasets if (m, d) in cell)
+        total = sum(cell[(m, d)]["prompts"] for d in datasets if (m, d) in cell)
+        out.append(
+            f"| {PEER_LABELS.get(m, m)} | " + " | ".join(cells) + f" | {taus if m in drafter_labels else '–'} | "
+            f"{same}/{total} |"
+        )
+    return out + [""]
+
+
+def acceptance_table(cell: dict, spec: list[str], datasets: list[str]) -> list[str]:
+    """Acceptance by position and the time of a round's parts, per speculative method over all sets."""
+    gamma = max(len(cell[(m, d)]["accept_by_position"]) for m in spec for d in datasets if (m, d) in cell)
+    out = [
+        "Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round (draft = "
+        "drafter proposal; verify = target forward + acceptance + rollback; context = drafter reading the "
+        "accepted tokens' features; other = Python bookkeeping; prefill excluded):",
+        "",
+        "| drafter | "
+        + " | ".join(f"k={k + 1}" for k in range(gamma))
+        + " | draft ms | verify ms | context ms | other ms |",
+        "| --- " * (gamma + 5) + "|",
+    ]
+    for m in spec:
+        mrows = [cell[(m, d)] for d in datasets if (m, d) in cell]
+        acc = merged_accept(mrows) + [None] * gamma
+        prof = {k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "context", "other")}
+        out.append(
+            f"| {m} | "
+            + " | ".join(_fmt(a) for a in acc[:gamma])
+            + " | "
+            + " | ".join(_fmt(prof[k], 1) for k in ("draft", "verify", "context", "other"))
+            + " |"
+        )
+    return out + [""]
+
+
 def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, str]) -> str:
     results, cfg, machine = run["results"], run["config"], run["machine"]
     datasets = cfg["datasets"]
@@ -89,79 +165,16 @@ def markdown_section(run: dict, name: str, command: str, plot_paths: dict[str, s
     )
     out.append("")
     if run["drafters"]:
-        out += [
-            "Drafters (memory beside the target: own weights, plus the copied rows of the target's LM head when the "
-            "draft vocabulary is reduced; embedding and LM head are otherwise shared):",
-            "",
-            "| label | architecture | γ | layers | Markov rank | params (M) | weights MB | head copy MB | training legs | "
-            "train tokens | steps | CPU core-hours | GPU-hours |",
-            "| --- " * 13 + "|",
-        ]
-        for label, d in run["drafters"].items():
-            t = d.get("training") or {}  # totals over every leg of the drafter's lineage
-            out.append(
-                f"| {label} | {d['architecture']} | {d['block_size']} | {d['num_draft_layers']} | {d['markov_rank']} | "
-                f"{d['params_millions']} | {d['weights_mb']} | {d['draft_head_copy_mb']} | {t.get('legs') or '–'} | "
-                f"{t.get('tokens') or '–'} | {t.get('steps') or '–'} | {t.get('core_hours') or '–'} | "
-                f"{t.get('gpu_hours') or '–'} |"
-            )
-        out.append("")
+        out += drafters_table(run["drafters"])
     for (dtype, temp), rows in _by(results, "dtype", "temperature").items():
         mode = "greedy" if temp == 0 else f"temperature {temp}"
         out += [f"### {dtype}, {mode}", ""]
         methods = list(dict.fromkeys(r["method"] for r in rows))
         cell = {(r["method"], r["dataset"]): r for r in rows}
-        identical = (
-            "identical to plain (float32: must be all)"
-            if temp == 0
-            else "identical to plain (sampling: not expected; the distribution is what matches)"
-        )
-        out.append(
-            "| method | " + " | ".join(f"{d} tok/s (× plain)" for d in datasets) + f" | τ per set | {identical} |"
-        )
-        out.append("| --- " * (len(datasets) + 3) + "|")
-        for m in methods:
-            cells = [
-                f"{cell[(m, d)]['tokens_per_s']:.1f} ({cell[(m, d)]['speedup_vs_plain']:.2f}x)"
-                if (m, d) in cell
-                else "–"
-                for d in datasets
-            ]
-            taus = " / ".join(_fmt(cell[(m, d)].get("tau")) for d in datasets if (m, d) in cell)
-            same = sum(cell[(m, d)]["identical_to_plain"] for d in datasets if (m, d) in cell)
-            total = sum(cell[(m, d)]["prompts"] for d in datasets if (m, d) in cell)
-            out.append(
-                f"| {PEER_LABELS.get(m, m)} | " + " | ".join(cells) + f" | {taus if m in drafter_labels else '–'} | "
-                f"{same}/{total} |"
-            )
-        out.append("")
+        out += speed_table(cell, methods, datasets, drafter_labels, temp)
         spec = [m for m in methods if m in drafter_labels]
         if spec:
-            gamma = max(len(cell[(m, d)]["accept_by_position"]) for m in spec for d in datasets if (m, d) in cell)
-            out += [
-                "Acceptance by position (P(k accepted | 1..k-1 accepted), all sets) and time per round (draft = "
-                "drafter proposal; verify = target forward + acceptance + rollback; context = drafter reading the "
-                "accepted tokens' features; other = Python bookkeeping; prefill excluded):",
-                "",
-                "| drafter | "
-                + " | ".join(f"k={k + 1}" for k in range(gamma))
-                + " | draft ms | verify ms | context ms | other ms |",
-                "| --- " * (gamma + 5) + "|",
-            ]
-            for m in spec:
-                mrows = [cell[(m, d)] for d in datasets if (m, d) in cell]
-                acc = merged_accept(mrows) + [None] * gamma
-                prof = {
-                    k: _mean([r["ms_per_round"][k] for r in mrows]) for k in ("draft", "verify", "context", "other")
-                }
-                out.append(
-                    f"| {m} | "
-                    + " | ".join(_fmt(a) for a in acc[:gamma])
-                    + " | "
-                    + " | ".join(_fmt(prof[k], 1) for k in ("draft", "verify", "context", "other"))
-                    + " |"
-                )
-            out.append("")
+            out += acceptance_table(cell, spec, datasets)
         out += [
             f"Memory: target weights {run['target_weights_mb'][dtype]:.0f} MB; peak RSS of the whole process "
             f"(target, every drafter, Python, caches) {max(r['peak_rss_mb'] for r in rows):.0f} MB.",

@@ -170,6 +170,7 @@ def warm_dspark_engines(target, drafter, drafter_path, suffix: bool = False) -> 
     if suffix and suffix_trees_available() and (Path(drafter_path) / ANSWER_INDEX).is_file():
         trees = load_proposer(f"{SUFFIX_PREFIX}{drafter_path}", target, isolate=True)
         hybrid = load_proposer(drafter_path, target, suffix=True, isolate=True)
+        # The scheduled hybrid gets a proposer of its own: it is told that scheduler's temperatures (attune).
         engines["suffix"] = SpeculativeEngine(target, trees, FixedLength())
         engines["dspark+suffix"] = SpeculativeEngine(target, hybrid, FixedLength())
         engines["dspark+suffix+sched"] = scheduled(load_proposer(drafter_path, target, suffix=True, isolate=True))
@@ -211,30 +212,96 @@ def bench_prompts(target, dataset: str, cfg: BenchConfig) -> list[list[int]]:
     return prompts
 
 
+def bench_engines(target, cfg: BenchConfig, drafters_meta: dict) -> dict[str, SpeculativeEngine]:
+    """One engine per drafter label at its default policy, and with `scheduled` a LABEL+sched engine under the
+    prefix scheduler for each drafter that states its confidence; each label's metadata goes into drafters_meta."""
+    from dspark.drafter import load_proposer, model_drafter
+    from dspark.drafter.hybrid import attune
+    from dspark.scheduling.planner import build_scheduler
+
+    drafters = {}
+    for label, path in cfg.drafters.items():
+        # Isolated: an answer never joins the global tree, so no method drafts a prompt another just answered.
+        drafters[label] = load_proposer(path, target, isolate=True)
+        drafters_meta[label] = drafter_info(path, drafters[label])
+    engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
+    for label, d in drafters.items():
+        if cfg.scheduled and d.confidence_head is not None:
+            policy = build_scheduler(target, cfg.drafters[label], drafter=model_drafter(d))
+            engines[f"{label}+sched"] = SpeculativeEngine(target, attune(d, policy), policy)
+    return engines
+
+
+def measure_set(target, engines, methods, prompts, sampling, cfg: BenchConfig) -> dict[str, dict]:
+    """Every method on every prompt, interleaved prompt by prompt: tokens, seconds, outputs, round statistics and
+    peak memory per method."""
+    rows = {m: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "peak_rss": 0} for m in methods}
+    for ids in prompts:
+        for m in methods:
+            with PeakRSS() as rss:
+                if m == "plain":
+                    r = generate_plain(target, [ids], cfg.max_new_tokens, sampling)[0]
+                    tokens, seconds = r.token_ids, r.seconds
+                elif m in PEERS:
+                    lookup = cfg.lookup_tokens if m == "hf-lookup" else 0
+                    tokens, seconds = hf_generate(target, ids, cfg.max_new_tokens, sampling, lookup)
+                else:
+                    r = engines[m].generate([ids], cfg.max_new_tokens, sampling)[0]
+                    tokens, seconds = r.token_ids, r.seconds
+                    rows[m]["stats"].append(r.stats)
+            rows[m]["tokens"] += len(tokens)
+            rows[m]["seconds"] += seconds
+            rows[m]["outputs"].append(tokens)
+            rows[m]["peak_rss"] = max(rows[m]["peak_rss"], rss.peak)
+    return rows
+
+
+def result_entry(method: str, row: dict, reference: dict, **where) -> dict:
+    """One method's result on one set (where: dtype, temperature, dataset), against plain decoding's `reference`."""
+    prompts = len(reference["outputs"])
+    entry = {
+        **where,
+        "method": method,
+        "prompts": prompts,
+        "tokens": row["tokens"],
+        "seconds": round(row["seconds"], 3),
+        "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row["seconds"] else 0.0,
+        "speedup_vs_plain": round((row["tokens"] / row["seconds"]) / (reference["tokens"] / reference["seconds"]), 3),
+        "identical_to_plain": sum(a == b for a, b in zip(row["outputs"], reference["outputs"])),
+        "token_agreement": round(
+            sum(_agreement(a, b) for a, b in zip(row["outputs"], reference["outputs"])) / prompts, 4
+        ),
+        "peak_rss_mb": round(row["peak_rss"] / 2**20, 1),
+    }
+    if row["stats"]:
+        entry["drafter"] = method.split("+")[0]
+        s: SpecStats = merged(row["stats"])
+        d = s.to_dict()
+        parts = {"draft": s.draft_seconds, "verify": s.verify_seconds, "context": s.context_seconds}
+        parts["other"] = row["seconds"] - s.prefill_seconds - sum(parts.values())
+        entry.update(
+            tau=d["tau"],
+            accept_by_position=d["accept_by_position"],
+            rounds=d["rounds"],
+            mean_verified=d["mean_verified"],
+            prefill_seconds=round(s.prefill_seconds, 3),
+            ms_per_round={k: round(1000 * v / s.rounds, 2) for k, v in parts.items()},
+        )
+    return entry
+
+
+PROGRESS_KEYS = ("dtype", "temperature", "dataset", "method", "tokens_per_s", "speedup_vs_plain", "tau")
+
+
 def run_bench(cfg: BenchConfig, progress=print) -> dict:
     from dspark.autotune import tune
-    from dspark.drafter import load_proposer
     from dspark.target import Target
 
     results, drafters_meta, target_mb = [], {}, {}
     for dtype in cfg.dtypes:
         target = tune(Target.load(cfg.model, dtype=dtype))
         target_mb[dtype] = weights_mb(target.model)
-        drafters = {}
-        for label, path in cfg.drafters.items():
-            # Isolated: an answer never joins the global tree, so no method drafts a prompt another just answered.
-            drafters[label] = load_proposer(path, target, isolate=True)
-            drafters_meta[label] = drafter_info(path, drafters[label])
-        engines = {label: SpeculativeEngine(target, d) for label, d in drafters.items()}
-        if cfg.scheduled:
-            from dspark.drafter import model_drafter
-            from dspark.drafter.hybrid import attune
-            from dspark.scheduling.planner import build_scheduler
-
-            for label, d in drafters.items():
-                if d.confidence_head is not None:
-                    policy = build_scheduler(target, cfg.drafters[label], drafter=model_drafter(d))
-                    engines[f"{label}+sched"] = SpeculativeEngine(target, attune(d, policy), policy)
+        engines = bench_engines(target, cfg, drafters_meta)
         for temperature in cfg.temperatures:
             sampling = SamplingParams(temperature=temperature, seed=cfg.seed)
             methods = ["plain"] + [p for p in cfg.peers if p in PEERS] + list(engines)
@@ -243,85 +310,14 @@ def run_bench(cfg: BenchConfig, progress=print) -> dict:
                 engine.generate([warm], 4, sampling)
             generate_plain(target, [warm], 4, sampling)
             for dataset in cfg.datasets:
-                prompts = bench_prompts(target, dataset, cfg)
-                rows = {m: {"tokens": 0, "seconds": 0.0, "outputs": [], "stats": [], "peak_rss": 0} for m in methods}
-                for ids in prompts:
-                    for m in methods:
-                        with PeakRSS() as rss:
-                            if m == "plain":
-                                r = generate_plain(target, [ids], cfg.max_new_tokens, sampling)[0]
-                                tokens, seconds = r.token_ids, r.seconds
-                            elif m in PEERS:
-                                tokens, seconds = hf_generate(
-                                    target,
-                                    ids,
-                                    cfg.max_new_tokens,
-                                    sampling,
-                                    cfg.lookup_tokens if m == "hf-lookup" else 0,
-                                )
-                            else:
-                                r = engines[m].generate([ids], cfg.max_new_tokens, sampling)[0]
-                                tokens, seconds = r.token_ids, r.seconds
-                                rows[m]["stats"].append(r.stats)
-                        rows[m]["tokens"] += len(tokens)
-                        rows[m]["seconds"] += seconds
-                        rows[m]["outputs"].append(tokens)
-                        rows[m]["peak_rss"] = max(rows[m]["peak_rss"], rss.peak)
-                reference = rows["plain"]
+                rows = measure_set(target, engines, methods, bench_prompts(target, dataset, cfg), sampling, cfg)
                 for m in methods:
-                    row = rows[m]
-                    entry = {
-                        "dtype": dtype,
-                        "temperature": temperature,
-                        "dataset": dataset,
-                        "method": m,
-                        "prompts": len(prompts),
-                        "tokens": row["tokens"],
-                        "seconds": round(row["seconds"], 3),
-                        "tokens_per_s": round(row["tokens"] / row["seconds"], 2) if row["seconds"] else 0.0,
-                        "speedup_vs_plain": round(
-                            (row["tokens"] / row["seconds"]) / (reference["tokens"] / reference["seconds"]), 3
-                        ),
-                        "identical_to_plain": sum(a == b for a, b in zip(row["outputs"], reference["outputs"])),
-                        "token_agreement": round(
-                            sum(_agreement(a, b) for a, b in zip(row["outputs"], reference["outputs"])) / len(prompts),
-                            4,
-                        ),
-                        "peak_rss_mb": round(row["peak_rss"] / 2**20, 1),
-                    }
-                    if row["stats"]:
-                        entry["drafter"] = m.split("+")[0]
-                        s: SpecStats = merged(row["stats"])
-                        d = s.to_dict()
-                        parts = {"draft": s.draft_seconds, "verify": s.verify_seconds, "context": s.context_seconds}
-                        parts["other"] = row["seconds"] - s.prefill_seconds - sum(parts.values())
-                        entry.update(
-                            tau=d["tau"],
-                            accept_by_position=d["accept_by_position"],
-                            rounds=d["rounds"],
-                            mean_verified=d["mean_verified"],
-                            prefill_seconds=round(s.prefill_seconds, 3),
-                            ms_per_round={k: round(1000 * v / s.rounds, 2) for k, v in parts.items()},
-                        )
-                    results.append(entry)
-                    progress(
-                        json.dumps(
-                            {
-                                k: entry[k]
-                                for k in (
-                                    "dtype",
-                                    "temperature",
-                                    "dataset",
-                                    "method",
-                                    "tokens_per_s",
-                                    "speedup_vs_plain",
-                                )
-                                if k in entry
-                            }
-                            | ({"tau": entry["tau"]} if "tau" in entry else {})
-                        )
+                    entry = result_entry(
+                        m, rows[m], rows["plain"], dtype=dtype, temperature=temperature, dataset=dataset
                     )
-        del target, drafters, engines
+                    results.append(entry)
+                    progress(json.dumps({k: entry[k] for k in PROGRESS_KEYS if k in entry}))
+        del target, engines
     return {
         "config": asdict(cfg),
         "machine": machine_info(),
