@@ -116,6 +116,22 @@ def real_target():
     return Target.load("smollm2-135m-instruct", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def real_targets():
+    """The real target in a precision (target.PRECISIONS), loaded once per module: tests that share one set every
+    form they depend on."""
+    from dspark.target import load_precision
+
+    loaded: dict[str, Target] = {}
+
+    def get(precision: str) -> Target:
+        if precision not in loaded:
+            loaded[precision] = load_precision("smollm2-135m-instruct", precision)
+        return loaded[precision]
+
+    return get
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A tiny peaked random target saved as a real HF folder, and data it regenerated itself (as in real use)."""
@@ -226,15 +242,22 @@ class OracleCache:
         self.histories += other.histories
 
 
-def run_cli(capsys, *args) -> tuple[int, str]:
-    """Exit code and stderr of `dspark ARGS`; argparse's own refusals exit 2 as well."""
+def run_cli_output(capsys, *args) -> tuple[int, str, str]:
+    """Exit code, stdout and stderr of `dspark ARGS`, run in this process; argparse's own refusals exit 2 as well."""
     from dspark.cli import main
 
     try:
         code = main([str(a) for a in args])
     except SystemExit as e:
         code = e.code
-    return code, capsys.readouterr().err
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_cli(capsys, *args) -> tuple[int, str]:
+    """Exit code and stderr of `dspark ARGS`."""
+    code, _, err = run_cli_output(capsys, *args)
+    return code, err
 
 
 def refused(capsys, message, *args):

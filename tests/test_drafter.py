@@ -214,9 +214,9 @@ def test_a_drafter_proposes_through_float16_products_near_its_own_and_back(monke
     assert {type(m.form) for m in drafter.modules() if isinstance(m, PackedLinear)} == {Float16Weight}
     assert all(isinstance(p.gate_up.weight, Float16Weight) for _, p in drafter.layers_for_inference())
     shapes = []
-    product = Float16Weight.product
+    product = Float16Weight.__call__
     monkeypatch.setattr(
-        Float16Weight, "product", lambda self, rows: shapes.append(self.dense.shape) or product(self, rows)
+        Float16Weight, "__call__", lambda self, rows: shapes.append(self.dense.shape) or product(self, rows)
     )
     in_float16 = propose()
     # every product: the context's k/v, the block's q/k/v, o, gate/up and down per layer, fc, the draft LM head, ...

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
+from dspark.decoder import PRODUCTS
 from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
 from dspark.products import Float32Weight
 from dspark.target import Target
@@ -228,9 +229,13 @@ def test_a_quantized_target_reads_prompts_in_another_form_alike_alone_and_in_a_b
     # The form is in effect: float32 copies are read (where bfloat16 products sum in float32, as on AVX-512-BF16, the
     # cache may come out bitwise equal to the bfloat16 form's), or the quantized matrices, whose cache must differ.
     if form == "float32":
-        assert all(isinstance(w, Float32Weight) for layer in target.decoder.prefill_weights for w in layer.values())
+        assert all(
+            isinstance(getattr(layer, name), Float32Weight)
+            for layer in target.decoder.prefill_layers
+            for name in PRODUCTS
+        )
     else:
-        assert target.decoder.prefill_weights is None and not torch.equal(*keys)
+        assert target.decoder.prefill_layers is None and not torch.equal(*keys)
     expected, results = decode_plain_and_speculative(target)
     assert [r.token_ids for r in results] == expected
 
@@ -290,16 +295,16 @@ def test_the_lm_head_takes_float16_where_it_is_measured_faster_and_the_drafter_f
     forward = target.forward
 
     def timed(cache, ids, *args, **kwargs):  # a forward takes its head form's time for its width on the fake clock
-        clock[0] += seconds.get((target.head_form, ids.shape[1]), 0.0)  # prompts: no time
+        clock[0] += seconds.get((target.head.form_name, ids.shape[1]), 0.0)  # prompts: no time
         return forward(cache, ids, *args, **kwargs)
 
     monkeypatch.setattr(target, "forward", timed)
-    assert autotune.tune(target).head_form == ("float16" if faster else "model")
+    assert autotune.tune(target).head.form_name == ("float16" if faster else "model")
     record = json.loads(next((tmp_path / "kernels").glob("*head*")).read_text())
     assert record["float16_head"] is faster and set(record["verify_8_ms"]) == {"model", "float16"}
     again = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
     monkeypatch.setattr(again, "forward", lambda *a, **k: pytest.fail("measured again"))
-    assert autotune.tune(again).head_form == target.head_form  # read from the cache
+    assert autotune.tune(again).head.form_name == target.head.form_name  # read from the cache
     tiny_drafter(again, draft_vocab_size=40).save(tmp_path / "d", again.identity())
     drafter = load_drafter(tmp_path / "d", again)
     forms = {type(m.form) for m in drafter.modules() if isinstance(m, PackedLinear)}

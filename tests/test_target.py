@@ -5,6 +5,8 @@ import torch
 
 from conftest import decode_plain_and_speculative, needs_fbgemm, tiny_drafter, tiny_target
 from dspark.autotune import invariance_failures
+from dspark.compiled import compile_target
+from dspark.decoder import PRODUCTS
 from dspark.decoding.plain import generate_plain
 from dspark.errors import DSparkError
 from dspark.products import MIN_ROWS_FLOAT32
@@ -206,8 +208,8 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
     logits = []
     for packed in (False, True, False):
         target.use_packed_weights(packed)
-        matrices = [p[name] for p in target.decoder.layers for name in ("qkv_w", "o_w", "gate_up", "down")]
-        assert all(isinstance(m, PackedWeight) == packed for m in matrices + [target.head_weight])
+        matrices = [getattr(layer, name) for layer in target.decoder.layers for name in PRODUCTS]
+        assert all(isinstance(m, PackedWeight) == packed for m in matrices + [target.head.form])
         cache = target.new_cache(1)
         target.forward(cache, ids[:, :12])
         logits.append(target.forward(cache, ids[:, 12:]).logits)
@@ -222,9 +224,9 @@ def test_packed_weights_compute_the_same_products_and_are_chosen_by_measurement(
     [saved] = (tmp_path / "kernels").glob(f"tiny-97-0-{str(dtype).removeprefix('torch.')}-*.json")
     assert isinstance(json.loads(saved.read_text())["packed"], bool)
     saved.write_text(json.dumps({"packed": False}))
-    assert not isinstance(choose_product_forms(target).head_weight, PackedWeight)
+    assert not isinstance(choose_product_forms(target).head.form, PackedWeight)
     saved.write_text(json.dumps({"packed": True}))  # as on the AMX Xeon
-    assert isinstance(choose_product_forms(target).head_weight, PackedWeight)
+    assert isinstance(choose_product_forms(target).head.form, PackedWeight)
     saved.write_text("{torn")
     choose_product_forms(target, repeats=1)  # a damaged record is measured again
     assert "verify_4_and_8_ms" in json.loads(saved.read_text())
@@ -326,14 +328,14 @@ def test_float16_products_of_a_row_are_the_same_whatever_rows_share_them():
     from dspark.products import FLOAT16_ROWS, Float16Weight, float16_row_counts, linear
 
     g = torch.Generator().manual_seed(0)
-    weight, rows = torch.randn(200, 576, generator=g).bfloat16(), torch.randn(300, 576, generator=g).bfloat16()
+    weight, rows = torch.randn(200, 576, generator=g).bfloat16(), torch.randn(300, 576, generator=g).bfloat16().float()
     form = Float16Weight(weight)
-    together = form.product(rows)
+    together = form(rows)
     assert together.dtype == torch.float32 and len(float16_row_counts()) == FLOAT16_ROWS + 1
-    assert all(torch.equal(form.product(rows[:n]), together[:n]) for n in range(1, 300))
-    assert all(torch.equal(form.product(rows[i : i + 1]), together[i : i + 1]) for i in range(0, 300, 7))
-    torch.testing.assert_close(together, rows.float() @ weight.float().T, rtol=0, atol=2e-3)
-    assert torch.equal(linear(rows[:5], form), together[:5].bfloat16())  # rounded back to the rows' precision
+    assert all(torch.equal(form(rows[:n]), together[:n]) for n in range(1, 300))
+    assert all(torch.equal(form(rows[i : i + 1]), together[i : i + 1]) for i in range(0, 300, 7))
+    torch.testing.assert_close(together, rows @ weight.float().T, rtol=0, atol=2e-3)
+    assert torch.equal(linear(rows[:5].bfloat16(), form), together[:5].bfloat16())  # rounded to the rows' precision
     unpadded = torch.ops.quantized.linear_dynamic_fp16(rows[:8].float(), form.packed)
     differ = [
         n
@@ -354,24 +356,29 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
     target = tiny_target(hidden=64, dtype=torch.bfloat16)
     if quantize:
         target.quantize(quantize)
-    before = target.head_weight
+    before = target.head.form
     ids = torch.randint(0, 90, (1, 30))
     model_logits = target.prefill(target.new_cache(1), ids).logits
-    target.use_float16_head(True)
-    assert target.head_form == "float16"
+    target.head.use_float16(True)
+    assert target.head.form_name == "float16"
     logits = target.prefill(target.new_cache(1), ids).logits
     assert not torch.equal(logits, model_logits) and torch.allclose(logits, model_logits, atol=0.05)
     assert logits.dtype == torch.float32 and not torch.equal(logits, logits.bfloat16().float())
     assert invariance_failures(target, prompt_len=70) == []
     expected, results = decode_plain_and_speculative(target)
     assert [r.token_ids for r in results] == expected
-    back = target.use_float16_head(False).head_weight
-    assert isinstance(back, type(before)) and torch.equal(dense(back), dense(before)) and target.head_form == "model"
+    target.head.use_float16(False)
+    back = target.head.form
+    assert (
+        isinstance(back, type(before)) and torch.equal(dense(back), dense(before)) and target.head.form_name == "model"
+    )
     # Other forms keep the float16 head, and switching back gives the form chosen meanwhile (plain, not packed).
-    assert isinstance(target.use_float16_head(True).use_packed_weights(False).head_weight, Float16Weight)
-    assert not isinstance(target.use_float16_head(False).head_weight, PackedWeight)
+    target.head.use_float16(True)
+    assert isinstance(target.use_packed_weights(False).head.form, Float16Weight)
+    target.head.use_float16(False)
+    assert not isinstance(target.head.form, PackedWeight)
     with pytest.raises(DSparkError, match="float16 LM head"):
-        tiny_target(hidden=64, dtype=torch.float32).use_float16_head(True)
+        tiny_target(hidden=64, dtype=torch.float32).head.use_float16(True)
 
 
 @pytest.mark.real
@@ -390,26 +397,24 @@ def test_a_float16_lm_head_keeps_a_row_the_same_alone_in_a_block_and_in_a_ragged
     ],
 )
 @pytest.mark.slow
-def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision):
+def test_the_real_target_is_batch_invariant_in_every_precision_auto_can_pick(precision, real_targets):
     from dspark.products import packing_available
-    from dspark.target import Target
 
     quantize = next((kind for kind in ("int8", "int4") if precision.startswith(kind)), None)
-    dtype = "float32" if precision.startswith("float32") else "bfloat16"
-    target = Target.load("smollm2-135m-instruct", dtype=dtype, quantize=quantize)
-    if precision.endswith("packed"):
-        if not packing_available(target.lm_head.weight):
-            pytest.skip(f"oneDNN's {dtype} kernels do not run on this CPU")
-        target.use_packed_weights(True)
-    elif quantize is None:
-        target.use_packed_weights(False)
-    if precision.endswith("prompts"):
-        target.decoder.use_prefill_form("float32")
-    if precision.endswith("float16-head"):
-        if not target.float16_head_possible:
-            pytest.skip("FBGEMM's float16 products are x86-only")
-        target.use_float16_head(True)
-    assert invariance_failures(target) == []
+    target = real_targets(quantize or precision.split("-")[0])  # one load per precision; every form set below
+    packed = precision.endswith("packed")
+    if packed and not packing_available(target.lm_head.weight):
+        pytest.skip(f"oneDNN's {target.dtype} kernels do not run on this CPU")
+    if quantize is None:
+        target.use_packed_weights(packed)
+    else:
+        target.decoder.use_prefill_form("float32" if precision.endswith("prompts") else "bfloat16")
+    float16_head = precision.endswith("float16-head")
+    if float16_head and not target.head.float16_possible():
+        pytest.skip("FBGEMM's float16 products are x86-only")
+    target.head.use_float16(float16_head)
+    # 100 prompt tokens: the blocks after them read keys of two 64-key groups, as a longer prompt's would
+    assert invariance_failures(target, prompt_len=100) == []
 
 
 def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone():
@@ -418,7 +423,7 @@ def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone(
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, 64, generator=g).bfloat16()  # a vocabulary the 4-bit kernel must pad (rows by 16)
     hidden = torch.randn(12, 64, generator=g).bfloat16()
-    logits = RescoredHead(weight).logits(hidden)
+    logits = RescoredHead(weight)(hidden)
     exact = hidden.double() @ weight.double().T
     best = exact.topk(8).indices
     assert torch.equal(logits.argmax(-1), exact.argmax(-1))
@@ -427,16 +432,17 @@ def test_the_rescored_head_scores_its_best_tokens_exactly_and_each_row_as_alone(
     head = RescoredHead(weight)
     for width in (1, 3, 4):
         for start in range(0, 12, width):
-            assert torch.equal(head.logits(hidden[start : start + width]), logits[start : start + width])
+            assert torch.equal(head(hidden[start : start + width]), logits[start : start + width])
 
 
 @pytest.mark.slow
 @pytest.mark.real
-def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
+def test_the_real_targets_rescored_head_picks_the_exact_greedy_token(real_targets):
     from dspark.assets import eval_prompts
-    from dspark.target import Target
 
-    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").use_rescored_head()
+    target = real_targets("int4")
+    target.head.use_float16(False)
+    target.head.use_rescored()
     prompts = [target.encode_chat(eval_prompts(name, 1)[0]) for name in ("gsm8k", "humaneval", "mt-bench")]
     for prompt, answer in zip(prompts, generate_plain(target, prompts, 48)):
         ids = torch.tensor([prompt + answer.token_ids])
@@ -451,7 +457,7 @@ def test_the_real_targets_rescored_head_picks_the_exact_greedy_token():
 @pytest.fixture(scope="module")
 def compiled_tiny():
     # Compiled (both graphs, in compile()) into the session's inductor cache (conftest), kept between runs.
-    return tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").compile()
+    return compile_target(tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4"))
 
 
 @pytest.mark.slow
@@ -461,7 +467,7 @@ def test_a_compiled_row_is_the_same_alone_and_in_every_block(compiled_tiny):
     from dspark.products import RescoredHead
 
     assert counters["stats"]["unique_graphs"] >= 2  # compile() built both graphs (one 64-key group, two)
-    assert isinstance(compiled_tiny.head_weight, RescoredHead)  # its rows' logits too, checked below
+    assert isinstance(compiled_tiny.head.form, RescoredHead)  # its rows' logits too, checked below
     # 58 + 12 tokens: blocks that cross from one 64-key group into the next, as decoding does
     assert invariance_failures(compiled_tiny, prompt_len=58, ragged=False) == []
 
@@ -488,9 +494,10 @@ def test_compiling_keeps_a_float16_head_the_machine_chose_and_else_rescores(monk
     than the rescored 4-bit one where it was chosen), else the rescored head. The graph itself is not built here."""
     from dspark.products import Float16Weight, RescoredHead
 
-    target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4").use_float16_head(float16_head)
+    target = tiny_target(hidden=64, dtype=torch.bfloat16).quantize("int4")
+    target.head.use_float16(float16_head)
     monkeypatch.setattr(target.decoder, "compile", lambda: None)
-    head = target.compile().head_weight
+    head = compile_target(target).head.form
     assert isinstance(head, Float16Weight if float16_head else RescoredHead)
 
 
@@ -516,7 +523,7 @@ def test_the_compiled_step_checks_its_inputs_and_fixes_its_weights(compiled_tiny
 
     from dspark.decoder import step_guards
 
-    names = ["x", "keys[0]", "values[0]", "plan[1][2]", "keys[1]", "values[29]", "self.layers[0]['qkv_w']", "self.eps"]
+    names = ["x", "keys[0]", "values[0]", "plan[1][2]", "keys[1]", "values[29]", "self.layers[0].qkv", "self.eps"]
     assert step_guards([SimpleNamespace(name=n) for n in names]) == [True] * 4 + [False] * 4
     # The graph no longer checks the decoder's matrices, so nothing may swap them.
     with pytest.raises(DSparkError, match="weights are fixed"):
@@ -528,23 +535,4 @@ def test_the_compiled_step_checks_its_inputs_and_fixes_its_weights(compiled_tiny
 def test_compiling_needs_an_int4_target():
     for target in (tiny_target(), tiny_target(hidden=64, dtype=torch.bfloat16)):
         with pytest.raises(DSparkError, match="--compile runs int4 targets"):
-            target.compile()
-
-
-@pytest.mark.slow
-@pytest.mark.real
-def test_the_compiled_real_target_decodes_losslessly_in_int4():
-    from dspark.assets import eval_prompts, shipped_drafter
-    from dspark.decoding.engine import SpeculativeEngine
-    from dspark.decoding.plain import generate_plain
-    from dspark.decoding.policy import FixedLength
-    from dspark.drafter import load_drafter
-    from dspark.target import Target
-
-    target = Target.load("smollm2-135m-instruct", dtype="bfloat16", quantize="int4").compile()
-    assert invariance_failures(target, ragged=False) == []
-    engine = SpeculativeEngine(target, load_drafter(shipped_drafter(target.name), target), FixedLength())
-    prompt = target.encode_chat(eval_prompts("gsm8k", 1)[0])
-    spec = engine.generate([prompt], 64)[0]
-    assert spec.stats.tau > 1.3
-    assert spec.token_ids == generate_plain(target, [prompt], 64)[0].token_ids
+            compile_target(target)

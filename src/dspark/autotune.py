@@ -347,21 +347,22 @@ TIMED_HEAD_WEIGHTS = 1 << 22  # an LM head smaller than this is not timed: it ke
 
 
 def choose_head_form(target: Target, repeats: int = 3) -> Target:
-    """The LM head as FBGEMM's float16 weights (Target.use_float16_head) where that is clearly faster on this machine
+    """The LM head as FBGEMM's float16 weights (LMHead.use_float16) where that is clearly faster on this machine
     (clearly_faster): forwards timed in both forms once per machine, precision and thread count, then read from the
     dspark cache. Targets that cannot take it keep their head."""
     # A head too small to time (a tiny test model's) keeps its form: a coin-flip choice would make otherwise identical
     # runs differ in their last bits.
-    if not target.float16_head_possible or target.lm_head.weight.numel() < TIMED_HEAD_WEIGHTS:
+    if not target.head.float16_possible() or target.lm_head.weight.numel() < TIMED_HEAD_WEIGHTS:
         return target
     path = machine_cache_file("kernels", target.name, target.precision, "head")
 
     def measure() -> dict:
-        forms = {"model": lambda: target.use_float16_head(False), "float16": lambda: target.use_float16_head(True)}
+        forms = {"model": lambda: target.head.use_float16(False), "float16": lambda: target.head.use_float16(True)}
         chosen, timings = clearly_faster(target, forms, "float16", "model", repeats)
         return {"float16_head": chosen, **timings}
 
-    return target.use_float16_head(tuning_record(path, lambda r: _flag(r, "float16_head"), measure)["float16_head"])
+    target.head.use_float16(tuning_record(path, lambda r: _flag(r, "float16_head"), measure)["float16_head"])
+    return target
 
 
 def tune(target: Target) -> Target:
@@ -395,7 +396,7 @@ def autotune(model: str, force: bool = False, progress=print) -> dict:
         "product_forms": {
             "packed": target.decoder.packed,
             "prefill": target.decoder.prefill_form,
-            "float16_head": target.head_form == "float16",
+            "float16_head": target.head.form_name == "float16",
         },
         "cost_table_ms": dict(zip(table.token_counts, table.step_time_ms)),
     }

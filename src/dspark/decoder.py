@@ -9,8 +9,11 @@ batch is not ragged and carries one token, and the LM head runs only where the c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -62,7 +65,6 @@ def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return (h * (1.0 + weight.float())).type_as(x)
 
 
-PRODUCTS = ("qkv_w", "o_w", "gate_up", "down")  # the matrices of a layer's products, by their names in LeanDecoder
 PREFILL_FORMS = ("bfloat16", "float32", "quantized")  # how a quantized decoder multiplies prompts (use_prefill_form)
 
 
@@ -80,6 +82,54 @@ def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
             m.bias.data = bias[row : row + rows]
         row += rows
     return weight, bias
+
+
+PRODUCTS = ("qkv", "out", "gate_up", "down")  # the fields of Layer that are multiplied by
+
+
+@dataclass
+class Layer:
+    """One decoder layer's weights. The four products are plain matrices or any form of one (products.py: packed,
+    column-split, quantized ...), swapped in without the forward knowing which; norms the family lacks are None."""
+
+    qkv: Any  # q, k and v fused
+    out: Any
+    gate_up: Any  # gate and up fused
+    down: Any
+    qkv_bias: torch.Tensor | None
+    out_bias: torch.Tensor | None
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor  # before the MLP
+    attn_out_norm: torch.Tensor | None  # Gemma 2/3's "sandwich" norms of the attention and MLP outputs
+    mlp_out_norm: torch.Tensor | None
+    q_norm: torch.Tensor | None  # Qwen3 and Gemma 3 norm every query and key head
+    k_norm: torch.Tensor | None
+
+    def with_products(self, form) -> Layer:
+        """This layer with each product's matrix in `form` (a function of the plain matrix)."""
+        return dataclasses.replace(self, **{name: form(dense(getattr(self, name))) for name in PRODUCTS})
+
+
+def read_layer(layer) -> Layer:
+    a, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _fuse([a.q_proj, a.k_proj, a.v_proj])
+    gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+    # Gemma names its norms apart: pre_feedforward_layernorm where it has sandwich norms.
+    pre_ffn = getattr(layer, "pre_feedforward_layernorm", None)
+    return Layer(
+        qkv=qkv,
+        out=a.o_proj.weight,
+        gate_up=gate_up,
+        down=mlp.down_proj.weight,
+        qkv_bias=qkv_bias,
+        out_bias=a.o_proj.bias,
+        in_norm=layer.input_layernorm.weight,
+        post_norm=(pre_ffn if pre_ffn is not None else layer.post_attention_layernorm).weight,
+        attn_out_norm=layer.post_attention_layernorm.weight if pre_ffn is not None else None,
+        mlp_out_norm=getattr(getattr(layer, "post_feedforward_layernorm", None), "weight", None),
+        q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
+        k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
+    )
 
 
 def step_guards(entries) -> list[bool]:
@@ -119,29 +169,7 @@ class LeanDecoder:
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         self.window = getattr(config, "sliding_window", None)
         self.rope_per_type = hasattr(self.rotary, "layer_types")
-        self.layers = []
-        for layer in decoder.layers:
-            a, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([a.q_proj, a.k_proj, a.v_proj])
-            gate_up, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-            # Gemma 2/3 norm the attention and MLP outputs too ("sandwich" norms); Gemma names its norms apart.
-            pre_ffn = getattr(layer, "pre_feedforward_layernorm", None)
-            self.layers.append(
-                dict(
-                    qkv_w=qkv_w,
-                    qkv_b=qkv_b,
-                    o_w=a.o_proj.weight,
-                    o_b=a.o_proj.bias,
-                    gate_up=gate_up,
-                    down=mlp.down_proj.weight,
-                    in_norm=layer.input_layernorm.weight,
-                    post_norm=(pre_ffn if pre_ffn is not None else layer.post_attention_layernorm).weight,
-                    attn_out_norm=layer.post_attention_layernorm.weight if pre_ffn is not None else None,
-                    mlp_out_norm=getattr(getattr(layer, "post_feedforward_layernorm", None), "weight", None),
-                    q_norm=a.q_norm.weight if hasattr(a, "q_norm") else None,
-                    k_norm=a.k_norm.weight if hasattr(a, "k_norm") else None,
-                )
-            )
+        self.layers = [read_layer(layer) for layer in decoder.layers]
         # On a CPU the forward runs batch-invariant: a row's logits do not depend on how many rows or tokens share
         # it, so speculative output equals plain output token for token. float32 pads its products to
         # MIN_ROWS_FLOAT32 rows for it (`min_rows`); bfloat16's products are invariant as they are, but for long
@@ -150,12 +178,11 @@ class LeanDecoder:
         self.min_rows = MIN_ROWS_FLOAT32 if self.batch_invariant and self.embed.dtype == torch.float32 else 1
         self.packed: bool | None = None  # no product form chosen yet (the machine's tuning, dspark.autotune, does)
         self.compiled = None  # the one-row decode step as one compiled graph (compile), or eager
+        self.quantized = False
         self.pack(False)
-        # A quantized decoder's float matrices, and the form it reads prompts with (use_prefill_form); None: prompts
-        # are read like the rest.
-        self.float_weights: list[dict] = []
+        # How a quantized decoder reads prompts (use_prefill_form), and its layers in that form; None: like the rest.
         self.prefill_form: str | None = None
-        self.prefill_weights: list[dict] | None = None
+        self.prefill_layers: list[Layer] | None = None
 
     @property
     def compilable(self) -> bool:
@@ -163,7 +190,7 @@ class LeanDecoder:
         weights are opaque to inductor unless frozen into the graph) and batch-invariant attention without Gemma 2's
         soft-capping or sliding windows."""
         return (
-            isinstance(self.layers[0]["qkv_w"], Int4Weight)
+            isinstance(self.layers[0].qkv, Int4Weight)
             and self.batch_invariant
             and not self.softcap
             and "sliding_attention" not in self.layer_types
@@ -194,19 +221,14 @@ class LeanDecoder:
 
     def quantize(self, bits: int) -> float:
         """Weight-only int8 or 4-bit (quantized_weight) for every matrix of every layer (the embedding lookup stays as
-        it is). The HF model keeps its float weights: it stays the reference, and a prefill multiplies by them in
-        bfloat16 (`use_prefill_form`; the machine's tuning may pick another form). Returns the largest `error` of the
-        quantized matrices."""
+        it is). The HF model keeps its float weights (each quantized form's `dense`): it stays the reference, and a
+        prefill multiplies by them in bfloat16 (`use_prefill_form`; the machine's tuning may pick another form).
+        Returns the largest `error` of the quantized matrices."""
         self.fixed()
-        error = 0.0
-        self.float_weights = []
-        for p in self.layers:
-            self.float_weights.append({name: dense(p[name]) for name in PRODUCTS})
-            for name in PRODUCTS:
-                p[name] = quantized_weight(dense(p[name]), bits)
-                error = max(error, p[name].error)
+        self.layers = [layer.with_products(lambda matrix: quantized_weight(matrix, bits)) for layer in self.layers]
+        self.quantized = True
         self.use_prefill_form("bfloat16")
-        return error
+        return max(getattr(layer, name).error for layer in self.layers for name in PRODUCTS)
 
     def use_prefill_form(self, form: str) -> None:
         """How a quantized decoder multiplies prompts (one of PREFILL_FORMS): "bfloat16", its float matrices (packed
@@ -220,14 +242,14 @@ class LeanDecoder:
             raise DSparkError(f"unknown prefill form {form!r}; one of {', '.join(PREFILL_FORMS)}")
         self.prefill_form = form
         if form == "quantized":
-            self.prefill_weights = None
+            self.prefill_layers = None
             return
-        packed = packing_available(self.float_weights[0]["qkv_w"])
+        packed = packing_available(dense(self.layers[0].qkv))
 
         def prefill_weight(matrix):
             return Float32Weight(matrix) if form == "float32" else self.product_form(matrix, packed)
 
-        self.prefill_weights = [{name: prefill_weight(w) for name, w in layer.items()} for layer in self.float_weights]
+        self.prefill_layers = [layer.with_products(prefill_weight) for layer in self.layers]
 
     def pack(self, packed: bool) -> None:
         """Every layer's matrices as PackedWeight (or back to the plain tensors); in batch-invariant mode, matrices
@@ -235,13 +257,14 @@ class LeanDecoder:
         if packed == self.packed:
             return
         self.fixed()
+        if self.quantized:
+            raise DSparkError("a quantized decoder's matrices keep their quantized form")
         self.packed = packed
-        for p in self.layers:
-            for name in PRODUCTS:
-                p[name] = self.product_form(p[name], packed)
+        self.layers = [
+            layer.with_products(functools.partial(self.product_form, packed=packed)) for layer in self.layers
+        ]
 
-    def product_form(self, weight, packed: bool):
-        matrix = dense(weight)
+    def product_form(self, matrix: torch.Tensor, packed: bool):
         if self.batch_invariant and matrix.dtype == torch.bfloat16 and matrix.shape[1] > MAX_INVARIANT_K:
             return KSplitWeight(matrix, packed)
         return PackedWeight(matrix) if packed else matrix
@@ -296,51 +319,47 @@ class LeanDecoder:
             t: self.rotary(x, positions, t) if self.rope_per_type else self.rotary(x, positions)
             for t in set(self.layer_types)
         }
-        q_size = self.heads * self.head_dim
-        norm, eps = self.norm, self.eps
         project = functools.partial(linear, min_rows=self.min_rows)
         wanted, captured = set(capture), {}
-        matrices = self.prefill_weights if prefill and self.prefill_weights is not None else self.layers
-        for i, p in enumerate(self.layers):
-            w = matrices[i]
-            cos, sin = rope[self.layer_types[i]]
+        layers = self.prefill_layers if prefill and self.prefill_layers is not None else self.layers
+        for i, layer in enumerate(layers):
             mask = masks[self.layer_types[i]]
-            h = norm(x, p["in_norm"], eps)
-            qkv = padded(project(h, w["qkv_w"], p["qkv_b"])).view(batch, width, -1, self.head_dim).transpose(1, 2)
-            q, k, v = self._queries_keys(qkv, p, cos, sin)
-            cache.write(i, k, v, slots)
-            if groups is not None:
-                out = bucketed_attention(q, cache.k[i], cache.v[i], groups, self.scaling)
-            elif self.softcap:
-                out = softcapped_attention(q, *cache.view(i, upto), mask, self.scaling, self.softcap)
-            else:
-                out = attention(q, *cache.view(i, upto), mask, self.scaling, causal=causal and mask is None)
-            out = out.transpose(1, 2).reshape(batch, width, q_size)
-            x = self._after_attention(x, out if real is None else out[real], p, w, project)
+
+            def attend(q, k, v, i=i, mask=mask):
+                cache.write(i, k, v, slots)
+                if groups is not None:
+                    return bucketed_attention(q, cache.k[i], cache.v[i], groups, self.scaling)
+                if self.softcap:
+                    return softcapped_attention(q, *cache.view(i, upto), mask, self.scaling, self.softcap)
+                return attention(q, *cache.view(i, upto), mask, self.scaling, causal=causal and mask is None)
+
+            cos, sin = rope[self.layer_types[i]]
+            x = self._layer(x, layer, cos, sin, attend, project, (batch, width), padded, real)
             if i in wanted:
                 captured[i] = x
         cache.advance(num_new)
-        return padded(norm(x, self.final_norm, eps)), [padded(captured[i]) for i in capture]
+        return padded(self.norm(x, self.final_norm, self.eps)), [padded(captured[i]) for i in capture]
 
-    def _queries_keys(self, qkv: torch.Tensor, p: dict, cos, sin):
-        """A layer's queries, keys and values from its q/k/v product [B, heads, W, hd], queries and keys roped (in
-        one pass; Qwen3 and Gemma 3 norm every query and key head first)."""
+    def _layer(self, x, layer: Layer, cos, sin, attend, project, shape, padded=None, real=None) -> torch.Tensor:
+        """One layer over new tokens x (packed [T, d] where `real` picks them out of the [B, W] layout `padded`
+        restores; else [B, W, d]), for the eager and the compiled forward alike: q/k/v, roped (Qwen3 and Gemma 3 norm
+        every query and key head first), `attend(q, k, v)` [B, heads, W, hd] (which writes the cache), the output
+        product, the MLP, their residuals and Gemma 2/3's sandwich norms. Products by `project`."""
+        batch, width = shape
+        norm, eps = self.norm, self.eps
+        qkv = project(norm(x, layer.in_norm, eps), layer.qkv, layer.qkv_bias)
+        qkv = (qkv if padded is None else padded(qkv)).view(batch, width, -1, self.head_dim).transpose(1, 2)
         q, k, v = qkv.split([self.heads, self.kv_heads, self.kv_heads], dim=1)
-        if p["q_norm"] is None:
+        if layer.q_norm is None:
             q, k = rotate(qkv[:, : self.heads + self.kv_heads], cos, sin).split([self.heads, self.kv_heads], dim=1)
         else:
-            q = rotate(self.norm(q, p["q_norm"], self.eps), cos, sin)
-            k = rotate(self.norm(k, p["k_norm"], self.eps), cos, sin)
-        return q, k, v
-
-    def _after_attention(self, x: torch.Tensor, attended: torch.Tensor, p: dict, w: dict, project) -> torch.Tensor:
-        """The rest of a layer once attention has run: the output product, the residual, the MLP and its residual
-        (Gemma 2/3's sandwich norms where the layer has them); products by `project` over the matrices `w`."""
-        out = project(attended, w["o_w"], p["o_b"])
-        x = x + (out if p["attn_out_norm"] is None else self.norm(out, p["attn_out_norm"], self.eps))
-        gate, up = project(self.norm(x, p["post_norm"], self.eps), w["gate_up"]).chunk(2, dim=-1)
-        out = project(self.act(gate) * up, w["down"])
-        return x + (out if p["mlp_out_norm"] is None else self.norm(out, p["mlp_out_norm"], self.eps))
+            q, k = rotate(norm(q, layer.q_norm, eps), cos, sin), rotate(norm(k, layer.k_norm, eps), cos, sin)
+        attended = attend(q, k, v).transpose(1, 2).reshape(batch, width, self.heads * self.head_dim)
+        out = project(attended if real is None else attended[real], layer.out, layer.out_bias)
+        x = x + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
+        gate, up = project(norm(x, layer.post_norm, eps), layer.gate_up).chunk(2, dim=-1)
+        out = project(self.act(gate) * up, layer.down)
+        return x + (out if layer.mlp_out_norm is None else norm(out, layer.mlp_out_norm, eps))
 
     def compiled_forward(
         self, cache: KVCache, input_ids: torch.Tensor, num_new: torch.Tensor, capture: list[int]
@@ -389,22 +408,24 @@ class LeanDecoder:
         and every layer's output (any of them may be a drafter's feature; they exist anyway, and one graph serves
         every choice). Compiled by `compile`."""
         _, width, _ = x.shape
-        q_size = self.heads * self.head_dim
         outputs = []
-        for i, p in enumerate(self.layers):
-            h = self.norm(x, p["in_norm"], self.eps)
-            qkv = linear(h, p["qkv_w"], p["qkv_b"]).view(1, width, -1, self.head_dim).transpose(1, 2)
-            q, k, v = self._queries_keys(qkv, p, cos, sin)
-            keys[i].index_copy_(2, slots, k)
-            values[i].index_copy_(2, slots, v)
-            out = q.new_empty(q.shape)
-            for padded, cols, mask in plan:
-                end = mask.shape[-1]
-                part = folded_attention(q[:, :, padded], keys[i][:, :, :end], values[i][:, :, :end], mask, self.scaling)
-                if cols is None:
-                    out = part[:, :, :width]
-                else:
-                    out[:, :, cols] = part[:, :, : cols.shape[0]]
-            x = self._after_attention(x, out.transpose(1, 2).reshape(1, width, q_size), p, p, linear)
+        for i, layer in enumerate(self.layers):
+
+            def attend(q, k, v, i=i):
+                keys[i].index_copy_(2, slots, k)
+                values[i].index_copy_(2, slots, v)
+                out = q.new_empty(q.shape)
+                for padded, cols, mask in plan:
+                    end = mask.shape[-1]
+                    part = folded_attention(
+                        q[:, :, padded], keys[i][:, :, :end], values[i][:, :, :end], mask, self.scaling
+                    )
+                    if cols is None:
+                        out = part[:, :, :width]
+                    else:
+                        out[:, :, cols] = part[:, :, : cols.shape[0]]
+                return out
+
+            x = self._layer(x, layer, cos, sin, attend, linear, (1, width))
             outputs.append(x)
         return self.norm(x, self.final_norm, self.eps), outputs

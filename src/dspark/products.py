@@ -1,6 +1,10 @@
 """Every form a weight matrix is multiplied in, and `linear`, the one product the decoder and the drafter call:
 float (padded to MIN_ROWS_FLOAT32 rows where float32 must stay batch-invariant), oneDNN-packed, column-split for long
-bfloat16 reductions, float32 copies, FBGEMM float16, weight-only int8 and int4, and the rescored 4-bit LM head."""
+bfloat16 reductions, float32 copies, FBGEMM float16, weight-only int8 and int4, and the rescored 4-bit LM head.
+
+A form is swapped in where a plain matrix was and shares one small interface: called on rows [n, K] it returns their
+products [n, N]; `dense` is the plain matrix it was made from (what everything else reads: training, export, another
+form); `nbytes`, what one product streams. The decoder and the LM head never ask which form they hold."""
 
 from __future__ import annotations
 
@@ -18,9 +22,17 @@ class Int8Weight:
     error = float("inf")  # rounding moves weights of every float model (see Int4Weight.error)
 
     def __init__(self, weight: torch.Tensor):
+        self.dense = weight
         scale = weight.float().abs().amax(dim=1).clamp_min(1e-8) / 127
         self.q = torch.round(weight.float() / scale[:, None]).clamp(-127, 127).to(torch.int8)
         self.scale = scale.to(weight.dtype)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(rows, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.scale.nbytes
 
 
 class Int4Weight:
@@ -33,6 +45,7 @@ class Int4Weight:
     GROUP = 32
 
     def __init__(self, weight: torch.Tensor):
+        self.dense = weight
         rows, cols = weight.shape
         groups = weight.float().view(rows, cols // self.GROUP, self.GROUP)
         low = groups.amin(-1)
@@ -43,6 +56,13 @@ class Int4Weight:
         self.packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(rows, cols), 8)
         # the kernel computes (q - 8) * step + zero: zero is the group's value at level 8
         self.scales_and_zeros = torch.stack([step, low + 8 * step], -1).transpose(0, 1).contiguous().bfloat16()
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.GROUP, self.scales_and_zeros)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
 
 class RescoredHead:
@@ -58,14 +78,18 @@ class RescoredHead:
     def __init__(self, weight: torch.Tensor):
         self.dense = weight
         vocab = weight.shape[0]
-        self.coarse = Int4Weight(F.pad(weight, (0, 0, 0, -vocab % 16)))  # the kernel packs rows by 16
+        self.coarse = Int4Weight(F.pad(weight, (0, 0, 0, -vocab % 16)) if vocab % 16 else weight)  # rows by 16
 
-    def logits(self, rows: torch.Tensor) -> torch.Tensor:
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         """float32 logits [n, V] of hidden states [n, d]; a row's do not depend on the rows beside it."""
-        scores = linear(rows.bfloat16(), self.coarse)[:, : self.dense.shape[0]].float()  # the kernel's activations
+        scores = self.coarse(rows.bfloat16())[:, : self.dense.shape[0]].float()  # the kernel's activations
         best = scores.topk(min(self.CANDIDATES, scores.shape[-1]), dim=-1, sorted=False).indices
         exact = (self.dense[best].float() * rows.float()[:, None, :]).sum(-1)
         return scores.scatter_(1, best, exact)
+
+    @property
+    def nbytes(self) -> int:
+        return self.coarse.nbytes  # and CANDIDATES rows of the full matrix per row
 
 
 def quantized_weight(weight: torch.Tensor, bits: int) -> Int8Weight | Int4Weight:
@@ -83,6 +107,13 @@ class PackedWeight:
     def __init__(self, weight: torch.Tensor):
         self.dense = weight
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, None, "none", [], "")
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes
 
 
 class PackedLinear(torch.nn.Module):
@@ -129,6 +160,15 @@ class KSplitWeight:
         stacked = torch.cat(weight.chunk(self.splits, dim=1))
         self.stacked = PackedWeight(stacked) if packed else stacked
 
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        n = self.splits
+        parts = linear(rows.reshape(rows.shape[0] * n, -1), self.stacked).view(rows.shape[0], n, n, -1)
+        return torch.diagonal(parts, dim1=1, dim2=2).sum(-1)  # bfloat16 sums accumulate in float32, round once
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes
+
 
 class Float32Weight:
     """A bfloat16 matrix kept as a float32 copy, for products with bfloat16 rows where float32 arithmetic is faster
@@ -140,11 +180,17 @@ class Float32Weight:
         matrix = weight.float()
         self.product = PackedWeight(matrix) if packing_available(matrix) else matrix
 
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return linear(rows.float(), self.product, min_rows=MIN_ROWS_FLOAT32).to(rows.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.nbytes * 2
+
 
 def dense(weight):
-    """The plain matrix behind a product form (packed, column-split, float32 or float16 copy); a plain tensor as it
-    is."""
-    return weight.dense if isinstance(weight, (PackedWeight, KSplitWeight, Float32Weight, Float16Weight)) else weight
+    """The plain matrix behind a product form; a plain tensor as it is."""
+    return getattr(weight, "dense", weight)
 
 
 def packing_available(weight: torch.Tensor) -> bool:
@@ -178,15 +224,20 @@ class Float16Weight:
         self.dense = weight
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float(), None)
 
-    def product(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [n, K] times the matrix, in float32 [n, N]: at most FLOAT16_ROWS rows a call, each call padded."""
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [n, K] times the matrix [n, N], summed in float32 and rounded to the rows' precision (float32 rows
+        keep the sums): at most FLOAT16_ROWS rows a call, each call padded."""
         padded_to = float16_row_counts()
         parts = []
         for part in rows.float().split(FLOAT16_ROWS):
             n = part.shape[0]
             part = F.pad(part, (0, 0, 0, padded_to[n] - n))
             parts.append(torch.ops.quantized.linear_dynamic_fp16(part, self.packed)[:n])
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(rows.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.dense.numel() * 2
 
 
 FLOAT16_ROWS = 120  # rows per FBGEMM float16 call (FBGEMM's own block of rows)
@@ -231,34 +282,17 @@ MIN_ROWS_FLOAT32 = 4
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, min_rows: int = 1) -> torch.Tensor:
-    """x @ weight.T (+ bias) for a float, packed, column-split, float16, int8 or int4 weight, or a RescoredHead (its
-    float32 logits); min_rows: a float product of fewer rows runs padded with zero rows to this many
-    (MIN_ROWS_FLOAT32). One kernel for every row count: a row's product does not
-    depend on the rows beside it (a separate one-row kernel, faster on some CPUs, would make a plain step round
-    differently from a verify)."""
+    """x @ weight.T (+ bias) for a plain matrix or any form of one (a RescoredHead gives float32 logits); min_rows: a
+    product of fewer rows runs padded with zero rows to this many (MIN_ROWS_FLOAT32). One kernel for every row count:
+    a row's product does not depend on the rows beside it (a separate one-row kernel, faster on some CPUs, would make
+    a plain step round differently from a verify)."""
     rows = x.numel() // x.shape[-1]
     # min_rows first: a compiled graph's row count is symbolic. The bias goes inside the padded product.
     if min_rows > 1 and rows < min_rows:
         padded = F.pad(x.reshape(rows, -1), (0, 0, 0, min_rows - rows))
         return linear(padded, weight, bias)[:rows].view(*x.shape[:-1], -1)
-    if isinstance(weight, Int8Weight):
-        out = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), weight.q, weight.scale)
-    elif isinstance(weight, Int4Weight):
-        rows_in = x.reshape(-1, x.shape[-1])
-        out = torch._weight_int4pack_mm_for_cpu(rows_in, weight.packed, Int4Weight.GROUP, weight.scales_and_zeros)
-    elif isinstance(weight, RescoredHead):
-        out = weight.logits(x.reshape(rows, -1))
-    elif isinstance(weight, PackedWeight):
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, -1), weight.packed, None, "none", [], "")
-    elif isinstance(weight, Float32Weight):
-        out = linear(x.reshape(rows, -1).float(), weight.product, min_rows=MIN_ROWS_FLOAT32).to(x.dtype)
-    elif isinstance(weight, Float16Weight):
-        out = weight.product(x.reshape(rows, -1)).to(x.dtype)
-    elif isinstance(weight, KSplitWeight):
-        n = weight.splits
-        parts = linear(x.reshape(rows * n, -1), weight.stacked).view(rows, n, n, -1)
-        out = torch.diagonal(parts, dim1=1, dim2=2).sum(-1)  # bfloat16 sums accumulate in float32, round once
-    else:
+    if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    out = weight(x.reshape(rows, -1))  # every form multiplies rows [n, K]
     out = out.view(*x.shape[:-1], out.shape[-1])
     return out if bias is None else out + bias

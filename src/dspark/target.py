@@ -8,7 +8,6 @@ dspark.chat.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -20,16 +19,9 @@ from dspark import models
 from dspark.chat import encode_text, prompt_ids
 from dspark.decoder import LeanDecoder, real_positions
 from dspark.errors import DSparkError
-from dspark.kvcache import GRANULE, KVCache
-from dspark.products import (
-    Float16Weight,
-    Int8Weight,
-    PackedWeight,
-    RescoredHead,
-    float16_available,
-    linear,
-    packing_available,
-)
+from dspark.head import LMHead
+from dspark.kvcache import KVCache
+from dspark.products import packing_available
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -89,10 +81,12 @@ class Target:
         self.name = name
         self.config = model.config
         self.lm_head = model.get_output_embeddings()
-        self.head_weight = self.lm_head.weight  # or its packed, float16 or int8 form
         self.quantization: str | None = None  # "int8" / "int4" after quantize()
         self.quantization_error = 0.0  # the largest relative change quantizing made to a weight (Int4Weight.error)
         self.decoder = LeanDecoder(self.model)
+        self.head = LMHead(
+            self.lm_head.weight, self.decoder.min_rows, getattr(self.config, "final_logit_softcapping", None)
+        )
         self.num_layers = self.config.num_hidden_layers
         self.layer_ids = list(layer_ids) if layer_ids is not None else default_layer_ids(self.num_layers)
         self.validate_layer_ids(self.layer_ids)
@@ -245,85 +239,13 @@ class Target:
         return self.decoder.new_cache(batch_size, capacity)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
-        decoder = self.decoder
-        if isinstance(self.head_weight, Float16Weight):
-            hidden = hidden.float()  # its float32 sums, not rounded back to the activations' precision
-        logits = linear(hidden, self.head_weight, None, decoder.min_rows).float()
-        cap = getattr(self.config, "final_logit_softcapping", None)  # Gemma 2: cap·tanh(logits/cap)
-        return logits if not cap else torch.tanh(logits / cap) * cap
+        return self.head.logits(hidden)
 
     def use_packed_weights(self, packed: bool) -> Target:
         """Every matrix the decode step streams, LM head included, as products.PackedWeight (or not); a float16 head
-        (use_float16_head) stays, and returns to this form when switched off."""
+        (LMHead.use_float16) stays, and returns to this form when switched off."""
         self.decoder.pack(packed)
-        head = PackedWeight(self.lm_head.weight.data) if packed else self.lm_head.weight
-        if self.head_form == "float16":
-            self.head_in_precision = head
-        else:
-            self.head_weight = head
-        return self
-
-    @property
-    def head_form(self) -> str:
-        """ "float16" while the LM head runs as FBGEMM's float16 weights (use_float16_head; kept when compiled), else
-        "model"."""
-        return "float16" if isinstance(self.head_weight, Float16Weight) else "model"
-
-    @property
-    def float16_head_possible(self) -> bool:
-        """Whether the LM head may run as products.Float16Weight: a bfloat16 head (bfloat16 and int4 targets) on a CPU
-        with FBGEMM, not compiled. Its weights convert exactly (but for entries below 2^-14); float32 keeps its own."""
-        return (
-            self.device.type == "cpu"
-            and float16_available()
-            and self.lm_head.weight.dtype == torch.bfloat16
-            and self.quantization != "int8"
-            and self.decoder.compiled is None
-        )
-
-    def use_float16_head(self, on: bool) -> Target:
-        """The LM head as products.Float16Weight, FBGEMM's float16 weights with float32 sums (float32 logits), or back
-        to the form it had. Where bfloat16 is emulated it reads the head several times faster at a verify's rows
-        (dspark.autotune.choose_head_form measures it); a row's logits still do not depend on the rows beside it."""
-        if on and not isinstance(self.head_weight, Float16Weight):
-            if not self.float16_head_possible:
-                raise DSparkError("a float16 LM head needs a bfloat16 head on a CPU with FBGEMM, not compiled")
-            self.head_in_precision = self.head_weight
-            self.head_weight = Float16Weight(self.lm_head.weight.data)
-        elif not on and isinstance(self.head_weight, Float16Weight):
-            self.head_weight = self.head_in_precision
-        return self
-
-    def compile(self) -> Target:
-        """Decode forwards of one request through one graph compiled by inductor (LeanDecoder.compile): a one-token
-        step without the eager framework's ~6,000 small calls. Compiles now, both graphs the decoding loop needs
-        (a block read by every query, and one that crosses into the next 64 keys): minutes the first time on a
-        machine, then about half a minute (the graphs are traced again; inductor's kernels are kept in the dspark
-        cache). Plain and speculative decoding of the compiled target agree token for token; its logits differ from
-        the eager target's in the last bits, and its LM head is `use_rescored_head`'s, or the float16 head where the
-        machine's tuning chose it (2-core AVX2-only EPYC, 1 / 8 rows: 2.9 / 5.8 against the rescored head's 3.3 / 11
-        ms)."""
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-        # Inductor's default lives in the system's temporary folder; a folder the user chose is kept.
-        if os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(models.cache_dir() / "inductor")
-        self.decoder.compile()
-        if self.head_form != "float16":  # where the machine chose FBGEMM's head, it beats the rescored one too
-            self.use_rescored_head()
-        cache = self.new_cache(1)
-        ids = torch.zeros(1, GRANULE, dtype=torch.long, device=self.device)
-        self.prefill(cache, ids[:, : GRANULE - 1])
-        self.forward(cache, ids[:, :1])  # the first group's last slot: every query reads one group of keys
-        cache.rollback(cache.lengths - 1)
-        self.forward(cache, ids[:, :2])  # that slot and the next group's first: two groups
-        return self
-
-    def use_rescored_head(self) -> Target:
-        """The LM head for one request at a time (products.RescoredHead): 4-bit scores for every token, the best 64
-        scored again exactly. One row reads the head in ~1.4 instead of ~3 ms (49,152 x 576, 2 threads); from ~8
-        rows on it costs more than the bfloat16 head, so only a compiled target, which never batches, takes it."""
-        self.head_weight = RescoredHead(self.lm_head.weight.data)
+        self.head.use_packed(packed)
         return self
 
     @property
@@ -350,11 +272,10 @@ class Target:
         if self.device.type != "cpu":
             raise DSparkError(f"{kind} runs on CPUs only (PyTorch's CPU kernels); on a GPU use bfloat16")
         self.quantization_error = self.decoder.quantize(8 if kind == "int8" else 4)
-        head = self.lm_head.weight.data
         if kind == "int8":
-            self.head_weight = Int8Weight(head)
+            self.head.use_int8()
         else:
-            self.head_weight = PackedWeight(head) if packing_available(head) else head
+            self.head.use_packed(packing_available(self.lm_head.weight))
         self.quantization = kind
         return self
 

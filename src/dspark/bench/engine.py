@@ -11,6 +11,7 @@ and int4 (weight-only, with bfloat16 activations).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from pathlib import Path
@@ -45,20 +46,9 @@ def memory_bandwidth_gbs(gib: float = 0.5) -> float:
 def streamed_bytes(target) -> int:
     """Bytes of weights one decode step reads: every matrix and norm of every layer, the final norm and the LM head
     (int8 and int4 matrices at their packed size plus their scales); the embedding lookup reads one row."""
-    from dspark.products import Int4Weight, Int8Weight, dense
-
-    def size(w) -> int:
-        if w is None:
-            return 0
-        w = dense(w)  # a packed or split matrix holds the same values in another layout
-        if isinstance(w, Int8Weight):
-            return w.q.numel() + w.scale.numel() * w.scale.element_size()
-        if isinstance(w, Int4Weight):
-            return w.packed.numel() + w.scales_and_zeros.numel() * w.scales_and_zeros.element_size()
-        return w.numel() * w.element_size()
-
-    layers = sum(size(w) for layer in target.decoder.layers for w in layer.values())
-    return layers + size(target.decoder.final_norm) + size(target.head_weight)
+    weights = [getattr(layer, f.name) for layer in target.decoder.layers for f in dataclasses.fields(layer)]
+    weights += [target.decoder.final_norm, target.head.form]
+    return sum(w.nbytes for w in weights if w is not None)
 
 
 @torch.no_grad()
@@ -126,8 +116,9 @@ def run_engine_bench(
     progress=print,
     compiled: bool = False,
 ) -> dict:
-    """compiled: also each precision's target compiled (Target.compile), its forward and decoding rows labelled so."""
+    """compiled: also each precision's target compiled (compile_target), its forward and decoding rows labelled so."""
     from dspark.autotune import tune
+    from dspark.compiled import compile_target
     from dspark.scheduling.profile import profile_target
     from dspark.target import Target, load_precision
 
@@ -172,7 +163,7 @@ def run_engine_bench(
         if compiled and not target.decoder.compilable:
             progress(f"{dtype}: no compiled step (--compile runs int4)")
         elif compiled:
-            target.compile()
+            compile_target(target)
             ours = profile_target(target, counts, context, repeats)
             times = dict(zip(ours.token_counts, ours.step_time_ms))
             run["forward"].append(

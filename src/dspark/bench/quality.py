@@ -129,7 +129,7 @@ def run_quality_bench(
         # int4 also with the LM head a compiled target decodes through (its layers as eager's)
         for label in [precision, COMPILED_HEAD] if precision == "int4" else [precision]:
             if label == COMPILED_HEAD:
-                target.use_rescored_head()
+                target.head.use_rescored()
             measure(
                 label, lambda name, i: answer_logprobs(target, prompts[name][i], answers[name][i]), answer_all(target)
             )

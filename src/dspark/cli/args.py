@@ -174,6 +174,7 @@ def load_target(args, layer_ids=None):
     fastest (said on stderr, with why). The machine's tuning is measured the first time (`dspark autotune`), then
     read from the cache."""
     from dspark.autotune import choose_precision, tune
+    from dspark.compiled import compile_target
     from dspark.target import load_precision
 
     setup_torch(args)
@@ -193,7 +194,7 @@ def load_target(args, layer_ids=None):
     target = load(args.dtype)
     if getattr(args, "compile", False):
         print(f"dspark: compiling the {args.dtype} decode step (minutes the first time on a machine)", file=sys.stderr)
-        target.compile()
+        compile_target(target)
     return target
 
 

@@ -155,7 +155,7 @@ def load_drafter(path: str | Path, target) -> DSparkDrafter:
     # The target's product form: FBGEMM's float16 where the machine's tuning chose it for the LM head; else packed where
     # the target is, or quantized (it has no float form of its own, and its drafter runs in bfloat16, where packed
     # products proposed faster: γ = 7 at one row, 2-core EPYC with AVX-512-BF16, 3.5 against 4.1 ms).
-    if target.head_form == "float16":
+    if target.head.form_name == "float16":
         form = "float16"
     else:
         form = "packed" if target.decoder.packed or target.quantized else "plain"
