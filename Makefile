@@ -3,18 +3,26 @@ PY ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint install clean-venv
+.PHONY: demo test test-fast lint install clients clean-venv
 
 demo: $(STAMP)
 	$(VENV)/bin/dspark demo $(DEMO_ARGS)
 
-# Lint and types first: a change that breaks either fails before the suite runs.
+# Lint and types first: a change that breaks either fails before the suite runs. The tests run in TEST_WORKERS
+# processes (pytest-xdist), the cores shared out among them (tests/conftest.py).
+TEST_WORKERS ?= 2
+PYTEST := $(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: lint
-	$(VENV)/bin/python -m pytest -q
+	$(PYTEST)
 
 # The suite without compilation, real-target runs beyond the shared fixture and long training runs: minutes.
 test-fast: $(STAMP)
-	$(VENV)/bin/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
+
+# The third-party clients `dspark bench clients` drives (guidellm, lm-evaluation-harness); not needed otherwise.
+clients: $(STAMP)
+	$(VENV)/bin/python -m pip install -q -e '.[clients]'
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests

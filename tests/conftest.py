@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -11,6 +12,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from dspark.drafter import DSparkConfig, DSparkDrafter, new_drafter
 from dspark.products import float16_available
 from dspark.target import Target
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs the suite in worker processes) the cores are shared out among the
+    workers, their subprocesses included: two workers each spinning every core's thread run many times slower."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // workers)
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+
 
 needs_fbgemm = pytest.mark.skipif(not float16_available(), reason="FBGEMM's float16 products are x86-only")
 

@@ -1,13 +1,12 @@
 """Benchmarks: every method side by side, JSON result, BENCHMARKS.md section and plots, on a tiny target folder."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import refused, tiny_drafter
+from conftest import refused, run_cli, run_cli_output, tiny_drafter
 from dspark.bench.report import markdown_section, plots, write_section
 from dspark.bench.run import BenchConfig, run_bench
 from dspark.drafter.suffix import ANSWER_INDEX, write_answer_index
@@ -127,12 +126,8 @@ def test_report_sections_and_plots(bench_run):
     assert "| 2 | 150 | 8 | 1.5 | – |" in text  # the drafter's legs, tokens, steps, core-hours, GPU-hours
 
 
-@pytest.mark.slow
-def test_bad_drafter_argument_exits_with_a_clear_error():
-    proc = subprocess.run(
-        [sys.executable, "-m", "dspark.cli", "bench", "speed", "--drafter", "nolabel"], capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and "LABEL=PATH" in proc.stderr
+def test_bad_drafter_argument_exits_with_a_clear_error(capsys):
+    refused(capsys, "LABEL=PATH", "bench", "speed", "--drafter", "nolabel")
 
 
 def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
@@ -163,37 +158,20 @@ def test_training_curves_compare_runs_at_equal_time_and_tokens(tmp_path):
     ).endswith("| – |")
 
 
-@pytest.mark.slow
-def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path):
+def test_curves_command_writes_the_table_and_refuses_a_bad_reference(tmp_path, capsys):
     folder = tmp_path / "run"
     folder.mkdir()
     rows = [{"step": s, "seconds": 10.0 * s, "tokens": 100 * s, "tau_greedy": 1 + s / 100} for s in (100, 200)]
     (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cmd = [
-        sys.executable,
-        "-m",
-        "dspark.cli",
-        "bench",
-        "curves",
-        "--run",
-        f"a={folder}",
-        "--out",
-        str(tmp_path / "c.png"),
-    ]
-    proc = subprocess.run(cmd + ["--markdown", str(tmp_path / "B.md")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in proc.stdout
-    proc = subprocess.run(
-        cmd + ["--markdown", str(tmp_path / "B.md"), "--section", "ab", "--title", "A/B"],
-        capture_output=True,
-        text=True,
-    )
+    cmd = ["bench", "curves", "--run", f"a={folder}", "--out", tmp_path / "c.png"]
+    code, out, err = run_cli_output(capsys, *cmd, "--markdown", tmp_path / "B.md")
+    assert code == 0, err
+    assert "<!-- bench:training-curves:begin -->" in (tmp_path / "B.md").read_text() and "| a | 200 |" in out
+    code, _ = run_cli(capsys, *cmd, "--markdown", tmp_path / "B.md", "--section", "ab", "--title", "A/B")
     text = (tmp_path / "B.md").read_text()
-    assert proc.returncode == 0 and "<!-- bench:ab:begin -->\n## A/B" in text and "bench:training-curves:begin" in text
-    proc = subprocess.run(cmd + ["--reference", "zzz"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--reference 'zzz' is not one of the --run labels" in proc.stderr
-    proc = subprocess.run(cmd + ["--section", "a b"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "must be a plain name" in proc.stderr
+    assert code == 0 and "<!-- bench:ab:begin -->\n## A/B" in text and "bench:training-curves:begin" in text
+    refused(capsys, "--reference 'zzz' is not one of the --run labels", *cmd, "--reference", "zzz")
+    refused(capsys, "must be a plain name", *cmd, "--section", "a b")
 
 
 FAKE_LLAMA = """#!{python}

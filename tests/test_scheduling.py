@@ -240,12 +240,10 @@ def test_profiling_interleaves_what_it_times():
     assert calls == ["a", "b"] * 4 and set(medians) == {"a", "b"}  # one warm-up pass, then 3 timed
 
 
-@pytest.mark.slow
-def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run, tmp_path):
+def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run, tmp_path, capsys):
     import json
-    import subprocess
-    import sys
 
+    from conftest import run_cli_output
     from dspark.target import Target
 
     folder, _ = tiny_run
@@ -254,14 +252,9 @@ def test_profile_calibrate_and_scheduled_generate_from_the_command_line(tiny_run
     (tmp_path / "p.txt").write_text("t5 t6 t7\nt9 t10\nt20 t21 t22 t23\n")
 
     def run(*args):
-        proc = subprocess.run(
-            [sys.executable, "-m", "dspark.cli", *args, "--dtype", "float32"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr
-        return proc.stdout
+        code, out, err = run_cli_output(capsys, *args, "--dtype", "float32")
+        assert code == 0, err
+        return out
 
     run(
         "profile",
