@@ -401,8 +401,13 @@ def test_load_benchmark_reports_every_policy(tiny, tmp_path, monkeypatch):
     }
     text = serve_section(run, "dspark bench serve", {"pareto": "p.png", "cost": "c.png"})
     assert "| algorithm1 | 2 |" in text and "best fixed policy" in text and "matched throughput" in text
-    plots = serve_plots(run, tmp_path / "plots")
-    assert all(p.stat().st_size > 1000 for p in plots.values())
+    assert "1.3x fixed 1: not measured" not in text
+    # a run without fixed 1 judges nothing against it; its files and section carry the run's name
+    run["summary"] = [r for r in summary if r["policy"] != "fixed 1"]
+    text = serve_section(run, "dspark bench serve", {"pareto": "p.png", "cost": "c.png"}, "serve-short")
+    assert text.startswith("## serve-short") and "1.3x fixed 1: not measured" in text
+    plots = serve_plots(run, tmp_path / "plots", "serve-short")
+    assert all(p.stat().st_size > 1000 and p.name.startswith("serve-short-") for p in plots.values())
 
 
 def test_matched_throughput_interpolates_along_the_baseline():

@@ -204,6 +204,8 @@ def publish_run(run: dict, out: Path, name: str, plot, section, markdown: Path |
     pngs = plot()
 
     def relative(to: Path):
+        if pngs is None:  # a report of tables only
+            return None
         if isinstance(pngs, dict):
             return {k: os.path.relpath(v, to) for k, v in pngs.items()}
         return os.path.relpath(pngs, to)

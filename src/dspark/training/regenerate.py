@@ -73,6 +73,57 @@ def _regenerated_record(path: Path, n: int, raw: bytes) -> dict:
     return record
 
 
+class Conversations:
+    """The conversations being regenerated: each keeps its user and system messages, its assistant messages replaced
+    by the target's answers; the next user turn of each is queued (prompt ids) once the turn before it is answered."""
+
+    def __init__(self, target, queue: deque, meta: dict):
+        self.target, self.queue, self.meta = target, queue, meta
+        self.state: dict[str, dict] = {}
+
+    def start(self, record: dict) -> None:
+        rid = record["id"]
+        self.state[rid] = {"record": record, "source": record["messages"], "messages": [], "next": 0}
+        self.state[rid].update(ids=[], finish=[])
+        self.schedule(rid)
+
+    def schedule(self, rid: str, follow_up: bool = False) -> None:
+        """Queue the next user turn of a conversation (its history holds the answers regenerated so far). A follow-up
+        turn goes to the front, so conversations finish (and are written) soon after they start."""
+        s = self.state[rid]
+        while s["next"] < len(s["source"]) and s["source"][s["next"]]["role"] != "user":
+            if s["source"][s["next"]]["role"] == "system":
+                s["messages"].append(s["source"][s["next"]])
+            s["next"] += 1
+        s["messages"].append(s["source"][s["next"]])
+        s["next"] += 1
+        item = (rid, self.target.encode_chat(s["messages"]))
+        self.queue.appendleft(item) if follow_up else self.queue.append(item)
+
+    def answered(self, rid: str, result) -> dict | None:
+        """Record the target's answer to a conversation's turn: its finished record when that was the last user turn
+        (the conversation is then forgotten), else None with the next turn queued."""
+        s = self.state[rid]
+        text = self.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        s["messages"].append({"role": "assistant", "content": text})
+        s["ids"].append(result.token_ids)
+        s["finish"].append(result.finish_reason)
+        if any(m["role"] == "user" for m in s["source"][s["next"] :]):
+            self.schedule(rid, follow_up=True)
+            return None
+        del self.state[rid]
+        record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
+        record.update(messages=s["messages"], assistant_token_ids=s["ids"], finish_reasons=s["finish"], **self.meta)
+        return record
+
+    def finish_under_way(self) -> None:
+        """Start no new conversation: only the follow-up turns of those already answered in part stay queued."""
+        under_way = {rid for rid, s in self.state.items() if s["ids"]}
+        kept = [item for item in self.queue if item[0] in under_way]
+        self.queue.clear()
+        self.queue.extend(kept)
+
+
 def regenerate(
     target,
     records: list[dict],
@@ -106,25 +157,9 @@ def regenerate(
         "backend": backend,
     }
 
-    # Each conversation keeps the user/system messages; assistant messages are replaced by the target's answers.
-    state = {}
-
-    def schedule(rid: str, follow_up: bool = False) -> None:
-        """Queue the next user turn of a conversation (its history holds the answers regenerated so far). A follow-up
-        turn goes to the front, so conversations finish (and are written) soon after they start."""
-        s = state[rid]
-        while s["next"] < len(s["source"]) and s["source"][s["next"]]["role"] != "user":
-            if s["source"][s["next"]]["role"] == "system":
-                s["messages"].append(s["source"][s["next"]])
-            s["next"] += 1
-        s["messages"].append(s["source"][s["next"]])
-        s["next"] += 1
-        item = (rid, target.encode_chat(s["messages"]))
-        queue.appendleft(item) if follow_up else queue.append(item)
-
+    conversations = Conversations(target, queue, meta)
     for r in todo:
-        state[r["id"]] = {"record": r, "source": r["messages"], "messages": [], "next": 0, "ids": [], "finish": []}
-        schedule(r["id"])
+        conversations.start(r)
 
     tokens = written = 0
     start = time.perf_counter()
@@ -133,29 +168,17 @@ def regenerate(
         f = None  # opened with the first finished record: a run that fails before it leaves no empty file
         for rid, result in answers:
             if max_seconds and time.perf_counter() - start > max_seconds and len(queue):
-                under_way = {cid for cid, conv in state.items() if conv["ids"]}
-                kept = [item for item in queue if item[0] in under_way]  # follow-up turns of started conversations
-                queue.clear()
-                queue.extend(kept)
-            s = state[rid]
+                conversations.finish_under_way()
             tokens += len(result.token_ids)
-            s["messages"].append(
-                {"role": "assistant", "content": target.tokenizer.decode(result.token_ids, skip_special_tokens=True)}
-            )
-            s["ids"].append(result.token_ids)
-            s["finish"].append(result.finish_reason)
-            if any(m["role"] == "user" for m in s["source"][s["next"] :]):
-                schedule(rid, follow_up=True)
+            record = conversations.answered(rid, result)
+            if record is None:  # its next user turn is queued
                 continue
-            record = {k: v for k, v in s["record"].items() if k not in ("messages", "assistant_token_ids")}
-            record.update(messages=s["messages"], assistant_token_ids=s["ids"], finish_reasons=s["finish"], **meta)
             if f is None:
                 out_path.parent.mkdir(parents=True, exist_ok=True)
                 f = files.enter_context(out_path.open("a", encoding="utf-8"))
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
-            del state[rid]
             written += 1
             bar.update(1)
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.0f}")

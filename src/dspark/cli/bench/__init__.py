@@ -11,13 +11,25 @@ from dspark.cli.args import check_drafter_arg, command_line, is_plain_name
 from dspark.errors import DSparkError
 from dspark.fsutil import check_output_dir, check_output_file
 
-KINDS = ("speed", "engine", "quality", "serve", "signal", "suffix", "train", "llama_cpp", "scaling", "curves")
+KINDS = (
+    "speed",
+    "engine",
+    "quality",
+    "serve",
+    "clients",
+    "signal",
+    "suffix",
+    "train",
+    "llama_cpp",
+    "scaling",
+    "curves",
+)
 
 
 def register(sub) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: speed, engine, race, quality, serve, signal, suffix, train, llama-cpp, scaling, "
+        help="benchmarks: speed, engine, race, quality, serve, clients, signal, suffix, train, llama-cpp, scaling, "
         "curves (each writes JSON, a plot and a report into --out)",
     )
     kinds = p.add_subparsers(dest="kind", required=True, metavar="KIND")

@@ -40,6 +40,7 @@ def register(sub) -> None:
     )
     p.add_argument("--datasets", nargs="+", default=ALL_SETS, help="evaluation sets the prompts are mixed from")
     p.add_argument("--prompts-per-set", type=positive_int, default=16)
+    p.add_argument("--name", default="serve", help="name of the result files and of the BENCHMARKS.md section")
     add_output_args(p)
     p.set_defaults(func=run)
 
@@ -91,5 +92,12 @@ def run(args) -> int:
         "min_tokens": args.min_tokens,
         "repetitions": args.repetitions,
     }
-    publish(run, out, "serve", lambda: serve_plots(run, out), serve_section, args.markdown)
+    publish(
+        run,
+        out,
+        args.name,
+        lambda: serve_plots(run, out, args.name),
+        lambda run_, command, plots: serve_section(run_, command, plots, args.name),
+        args.markdown,
+    )
     return 0
