@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import sys
 
-from dspark.cli.args import add_suffix_arg, add_target_args, keep_a_core_for_serving, load_target, positive_int
+from dspark.cli.args import (
+    add_policy_args,
+    add_suffix_arg,
+    add_target_args,
+    check_policy_args,
+    keep_a_core_for_serving,
+    load_target,
+    positive_int,
+)
 from dspark.cli.bench import add_output_args, check_bench_args, publish
 from dspark.errors import DSparkError
 
@@ -20,6 +28,7 @@ def register(sub) -> None:
     p.add_argument(
         "--drafter", help="the speculative server's drafter (default: the shipped one, beside suffix decoding)"
     )
+    add_policy_args(p)
     add_suffix_arg(p)
     p.add_argument("--streams", type=positive_int, nargs="+", default=[1, 4, 16], help="guidellm's concurrent streams")
     p.add_argument("--requests-per-stream", type=positive_int, default=2, help="guidellm requests per stream a level")
@@ -46,8 +55,9 @@ def run(args) -> int:
         raise DSparkError(f"{' and '.join(missing)} not installed; pip install 'dspark[clients]' (or make clients)")
     described = args.drafter or f"the shipped drafter of {args.model}"
     args.drafter = args.drafter or str(shipped_drafter(args.model))
-    args.schedule, args.verify_length, args.confidence_threshold = True, None, None
-    args.cost_table, args.calibration, args.scheduler = None, None, "algorithm1"
+    if args.verify_length is None and args.confidence_threshold is None:
+        args.schedule = True  # the speculative server as `dspark serve --schedule` runs it, unless told otherwise
+    check_policy_args(args)
     out = check_bench_args(args, [args.drafter])
     keep_a_core_for_serving(args)
     target = load_target(args)
