@@ -128,6 +128,38 @@ def same_text(a: str, b: str) -> bool:
     return a.startswith(b) or b.startswith(a)
 
 
+def ours_rows(target, engines: dict, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+    """Our plain decoding of one prompt and each engine's, each engine's output compared with the plain one. Returns
+    the plain output's ids and the rows by method."""
+    from dspark.decoding.plain import generate_plain
+
+    ours = generate_plain(target, [ids], max_new_tokens)[0]
+    rows: dict[str, dict] = {"plain": {"tok_s": round(ours.tokens_per_s, 2)}}
+    for label, engine in engines.items():
+        result = engine.generate([ids], max_new_tokens)[0]
+        rows[label] = {
+            "tok_s": round(result.tokens_per_s, 2),
+            "tau": round(result.stats.tau, 3),
+            "identical": result.token_ids == ours.token_ids,
+        }
+    return ours.token_ids, rows
+
+
+def llama_rows(bin_dir: Path, gguf: Path, prompt: str, ours_text: str, max_new_tokens: int, threads: int, methods):
+    """llama.cpp's plain decoding of one prompt (its text compared with ours) and each speculative method's (compared
+    with llama.cpp's plain text), on one target GGUF."""
+    plain = llama_plain(bin_dir, gguf, prompt, max_new_tokens, threads)
+    rows = {"plain": {"tok_s": round(plain.tokens_per_s, 2), "same_as_ours": same_text(plain.text, ours_text)}}
+    for label, args in methods.items():
+        run = llama_speculative(bin_dir, gguf, prompt, max_new_tokens, threads, args)
+        rows[label] = {
+            "tok_s": round(run.tokens_per_s, 2),
+            "tau": round(run.tau, 3),
+            "identical": same_text(run.text, plain.text),
+        }
+    return rows
+
+
 def run_llama_cpp_bench(
     target,
     drafter,
@@ -148,7 +180,6 @@ def run_llama_cpp_bench(
     on float32 weights is compared with ours (`same_as_ours`)."""
     from dspark.assets import eval_prompts
     from dspark.bench.run import warm_dspark_engines
-    from dspark.decoding.plain import generate_plain
 
     check_tools(bin_dir)
     out, err = _run([str(bin_dir / "llama-completion"), "--version"], timeout=60)
@@ -168,31 +199,15 @@ def run_llama_cpp_bench(
     for name in datasets:
         for i, messages in enumerate(eval_prompts(name, prompts_per_set)):
             ids = target.encode_chat(messages)
-            prompt = target.tokenizer.decode(ids)
             start = time.perf_counter()
-            ours = generate_plain(target, [ids], max_new_tokens)[0]
-            ours_text = target.tokenizer.decode(ours.token_ids, skip_special_tokens=True)
-            runtimes = {ours_name: {"plain": {"tok_s": round(ours.tokens_per_s, 2)}}}
-            for label, engine in engines.items():
-                result = engine.generate([ids], max_new_tokens)[0]
-                runtimes[ours_name][label] = {
-                    "tok_s": round(result.tokens_per_s, 2),
-                    "tau": round(result.stats.tau, 3),
-                    "identical": result.token_ids == ours.token_ids,
-                }
+            ours, runtimes = ours_rows(target, engines, ids, max_new_tokens)
+            runtimes = {ours_name: runtimes}
+            ours_text = target.tokenizer.decode(ours, skip_special_tokens=True)
+            prompt = target.tokenizer.decode(ids)
             for weights, target_gguf in target_ggufs.items():
-                plain = llama_plain(bin_dir, target_gguf, prompt, max_new_tokens, threads)
-                methods = {
-                    "plain": {"tok_s": round(plain.tokens_per_s, 2), "same_as_ours": same_text(plain.text, ours_text)}
-                }
-                for label, args in llama_methods.items():
-                    run = llama_speculative(bin_dir, target_gguf, prompt, max_new_tokens, threads, args)
-                    methods[label] = {
-                        "tok_s": round(run.tokens_per_s, 2),
-                        "tau": round(run.tau, 3),
-                        "identical": same_text(run.text, plain.text),
-                    }
-                runtimes[f"llama.cpp {weights}"] = methods
+                runtimes[f"llama.cpp {weights}"] = llama_rows(
+                    bin_dir, target_gguf, prompt, ours_text, max_new_tokens, threads, llama_methods
+                )
             rows.append(
                 {"dataset": name, "prompt": i, "runtimes": runtimes, "seconds": round(time.perf_counter() - start, 1)}
             )
