@@ -213,7 +213,7 @@ def run_clients_bench(
             progress(f"{label}: guidellm at {streams} streams")
             command = [sys.executable, "-m", "guidellm", "run", "-c", str(scenario), "--output"]
             command += [f"kind=json,path={report}", "--disable-console"]
-            code, seconds = run_client(command, work / f"guidellm-{label}.log", timeout=3600)
+            code, _ = run_client(command, work / f"guidellm-{label}.log", timeout=3600)
             if code != 0 or not report.exists():
                 raise DSparkError(f"guidellm exited {code} against the {label} server; see {work}/guidellm-{label}.log")
             for level in read_guidellm(report, streams):

@@ -51,18 +51,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
 
     from dspark.target import Target
 
-    rank, world, device = init_distributed(cfg.device)
-    cfg = cfg.for_device(device)
-    if rank > 0:
-        log.setLevel(logging.WARNING)  # one rank reports
-    log.info(
-        f"target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'}, "
-        f"{device_name(device)}"
-    )
+    cfg, rank, world, device = start_process(cfg)
     out = Path(cfg.out)
     checkpoint = out / "checkpoint"
-    torch.manual_seed(cfg.seed + rank)
-    random.seed(cfg.seed + rank)
 
     target = Target.load(cfg.model, dtype=cfg.target_dtype, layer_ids=cfg.target_layer_ids or None, device=device)
     cfg = replace(cfg, target_layer_ids=list(target.layer_ids))  # the caller's config stays as it was given
@@ -74,14 +65,7 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     drafter, ancestors = build_drafter(cfg, target, train_set)
     drafter.to(device).train()
 
-    source = OnlineFeatures(target, cfg.target_topk)
-    if cfg.feature_cache:
-        cache = Path(cfg.feature_cache)
-        if rank == 0:
-            build_feature_cache(cache, target, train_set, cfg.target_topk)  # or extend it by appended examples
-        barrier()
-        source = CachedFeatures(cache, device)
-        source.check(train_set, target, cfg.target_topk)
+    source = feature_source(cfg, target, train_set, rank, device)
 
     optimizer = torch.optim.AdamW(param_groups(drafter, cfg), lr=cfg.lr, betas=(0.9, 0.95))
     ddp_devices = [device] if device.type == "cuda" else None
@@ -98,19 +82,9 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     cores = world * (1 if device.type == "cuda" else torch.get_num_threads())  # GPUs, or CPU threads
     loop.setdefault("core_seconds", loop["seconds"] * cores)
 
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)  # only now: a run that fails on its inputs leaves no folder behind
-    if rank == 0 and resume:
-        keep_metrics_up_to(out / "metrics.jsonl", loop["step"])
-    metrics_file = (out / "metrics.jsonl").open("a") if rank == 0 else None
-    bar = tqdm(
-        total=total,
-        initial=loop["step"],
-        desc="train",
-        unit="step",
-        disable=not progress or rank > 0,
-        dynamic_ncols=True,
-    )
+    metrics_file = open_metrics(out, loop["step"], resume) if rank == 0 else None
+    show = progress and rank == 0
+    bar = tqdm(total=total, initial=loop["step"], desc="train", unit="step", disable=not show, dynamic_ncols=True)
     start = time.perf_counter() - loop["seconds"]
     batches = epoch_batches(train_set, cfg.batch_size, loop["epoch"], cfg.seed)
     last: dict = {}
@@ -152,6 +126,45 @@ def train(cfg: TrainConfig, resume: bool = False, progress: bool = True) -> dict
     if dist.is_initialized():
         dist.destroy_process_group()
     return last
+
+
+def start_process(cfg: TrainConfig) -> tuple[TrainConfig, int, int, torch.device]:
+    """This process's rank, the number of ranks and its device (torchrun's, or one process alone), the config for that
+    device, and its seeds; only rank 0 reports."""
+    rank, world, device = init_distributed(cfg.device)
+    cfg = cfg.for_device(device)
+    if rank > 0:
+        log.setLevel(logging.WARNING)
+    log.info(
+        f"target in {cfg.target_dtype}, drafter autocast to bfloat16 {'on' if cfg.bf16 else 'off'}, "
+        f"{device_name(device)}"
+    )
+    torch.manual_seed(cfg.seed + rank)
+    random.seed(cfg.seed + rank)
+    return cfg, rank, world, device
+
+
+def feature_source(cfg: TrainConfig, target, train_set, rank: int, device):
+    """The target's features for each batch: computed online, or read from the feature cache (built, or extended by
+    appended examples, by rank 0 while the others wait)."""
+    if not cfg.feature_cache:
+        return OnlineFeatures(target, cfg.target_topk)
+    cache = Path(cfg.feature_cache)
+    if rank == 0:
+        build_feature_cache(cache, target, train_set, cfg.target_topk)
+    barrier()
+    source = CachedFeatures(cache, device)
+    source.check(train_set, target, cfg.target_topk)
+    return source
+
+
+def open_metrics(out: Path, step: int, resume: bool):
+    """The run's metrics log, opened for appending; a resumed run first drops the lines past its checkpoint's step.
+    The folder is made only now: a run that fails on its inputs leaves none behind."""
+    out.mkdir(parents=True, exist_ok=True)
+    if resume:
+        keep_metrics_up_to(out / "metrics.jsonl", step)
+    return (out / "metrics.jsonl").open("a")
 
 
 def resumed_loop(checkpoint: Path, drafter, optimizer, total: int, record_ids, examples: int, ancestors):
